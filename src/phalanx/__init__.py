@@ -1,0 +1,54 @@
+"""Phalanx: distributed data-parallel training for PyTorch.
+
+``import phalanx as px``; ``px.init()``; then the collectives below, and the layers built on them.
+"""
+
+from phalanx.comm.collectives import (
+    Handle,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_object,
+    reduce,
+    reduce_scatter,
+)
+from phalanx.comm.runtime import (
+    device,
+    init,
+    is_initialized,
+    is_master,
+    local_rank,
+    local_size,
+    node_rank,
+    rank,
+    shutdown,
+    size,
+    timeout,
+)
+from phalanx.errors import (
+    CheckpointError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigurationError,
+    NonFiniteGradientError,
+    NotInitializedError,
+    PhalanxError,
+    WorkerFailedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
+    "ConfigurationError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
+    "WorkerFailedError", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
+    "broadcast", "broadcast_", "broadcast_object", "device", "init", "is_initialized", "is_master",
+    "local_rank", "local_size", "node_rank", "rank", "reduce", "reduce_scatter", "shutdown", "size",
+    "timeout",
+]

@@ -1,0 +1,1 @@
+"""Communication layer: launch environments, the runtime, and collectives. Imports nothing above it."""

@@ -1,0 +1,369 @@
+"""Collective operations over all workers, with cross-rank checks and async handles.
+
+Every operation first compares a small metadata record (operation, dtype, shape) across ranks,
+so that a mismatch raises :class:`CollectiveMismatchError` on *every* rank instead of hanging or
+silently producing garbage. ``check=False`` skips that round trip for hot paths that plan their
+own buffers. Failures of peers surface as :class:`CollectiveTimeoutError` naming the operation.
+At world size 1 every operation completes at once without communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import runtime
+from phalanx.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigurationError,
+    PhalanxError,
+)
+
+T = TypeVar("T")
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # summed, then divided: Gloo has no native average
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+_OPERATIONS = ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+)
+_MAX_DIMS = 12
+_RECORD_LEN = 4 + _MAX_DIMS  # operation, dtype, op/root, ndim, shape...
+
+
+class Handle(Generic[T]):
+    """A collective in flight. ``wait()`` blocks until it is done and returns its result."""
+
+    def __init__(self, name: str, work: Any, finish: Callable[[], T]):
+        self._name = name
+        self._work = work
+        self._finish = finish
+        self._result: tuple[T] | None = None
+
+    def wait(self) -> T:
+        """Block until the operation completes on this rank; return its result."""
+        if self._result is None:
+            with translate_errors(self._name):
+                if self._work is not None:
+                    self._work.wait()
+            self._result = (self._finish(),)
+        return self._result[0]
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` would return without blocking."""
+        return self._result is not None or self._work is None or self._work.is_completed()
+
+
+@contextlib.contextmanager
+def translate_errors(operation: str) -> Iterator[None]:
+    """Turn a backend failure into a phalanx error naming rank and operation.
+
+    A lost or silent peer becomes :class:`CollectiveTimeoutError`; anything else the backend
+    rejects becomes :class:`CollectiveError` with the backend's own words.
+    """
+    try:
+        yield
+    except PhalanxError:
+        raise
+    except (RuntimeError, OSError) as error:
+        if not _is_peer_failure(error):
+            raise CollectiveError(
+                f"{operation} on rank {runtime.rank()} of {runtime.size()} was rejected by the backend: "
+                f"{_first_line(error)}"
+            ) from error
+        raise CollectiveTimeoutError(
+            f"{operation} on rank {runtime.rank()} of {runtime.size()} failed: a peer died or did not answer "
+            f"within the {runtime.timeout():.0f}s timeout ({_first_line(error)}). The first failing rank's "
+            "output names the root cause."
+        ) from error
+
+
+def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, check: bool = True) -> Any:
+    """Reduce ``tensor`` over all ranks with ``op``; return the result as a new tensor."""
+    return allreduce_(tensor.clone(), op, async_op=async_op, check=check)
+
+
+def allreduce_(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, check: bool = True) -> Any:
+    """Like :func:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
+    reduce_op = _reduce_op(op, tensor)
+    if check:
+        _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
+    scale = _averaging(op, tensor)
+    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
+                   lambda: scale(tensor), async_op)
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False, check: bool = True) -> Any:
+    """Return a copy of ``root``'s tensor on every rank."""
+    return broadcast_(tensor.clone(), root, async_op=async_op, check=check)
+
+
+def broadcast_(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False, check: bool = True) -> Any:
+    """Overwrite ``tensor`` in place with ``root``'s tensor; return it."""
+    _check_root(root)
+    if check:
+        _check("broadcast", tensor, root)
+    return _launch("broadcast", lambda: dist.broadcast(tensor, root, group=_group(tensor), async_op=True),
+                   lambda: tensor, async_op)
+
+
+def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
+           check: bool = True) -> Any:
+    """Reduce ``tensor`` over all ranks onto ``root``. Returns the result on root, ``None`` elsewhere."""
+    _check_root(root)
+    reduce_op = _reduce_op(op, tensor)
+    if check:
+        _check("reduce", tensor, root * len(REDUCE_OPS) + REDUCE_OPS_INDEX[op])
+    result = tensor.clone()
+    scale = _averaging(op, result)
+    is_root = runtime.rank() == root
+    return _launch("reduce", lambda: dist.reduce(result, root, reduce_op, group=_group(tensor), async_op=True),
+                   lambda: scale(result) if is_root else None, async_op)
+
+
+def allgather(tensor: torch.Tensor, *, async_op: bool = False, check: bool = True) -> Any:
+    """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ."""
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if runtime.size() == 1:
+        return _done(tensor.clone(), async_op)
+    rows = _gather_records("allgather", tensor)
+    if check:
+        _compare(rows, "allgather", tensor, ignore_first_dim=True)
+    lengths = [int(row[4]) for row in rows]
+    longest = max(lengths)
+    padded = _pad_rows(tensor, longest)
+    pieces = [torch.empty_like(padded) for _ in lengths]
+    finish = lambda: torch.cat([piece[:n] for piece, n in zip(pieces, lengths)])  # noqa: E731
+    return _launch("allgather", lambda: dist.all_gather(pieces, padded, group=_group(tensor), async_op=True),
+                   finish, async_op)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, check: bool = True) -> Any:
+    """Reduce ``tensor`` over ranks, then give rank ``r`` the ``r``-th of ``size()`` chunks along dim 0.
+
+    Chunks follow ``torch.tensor_split``: when dim 0 is not divisible, the first chunks are one longer.
+    """
+    reduce_op = _reduce_op(op, tensor)
+    if check:
+        _check("reduce_scatter", tensor, REDUCE_OPS_INDEX[op])
+    chunks = [chunk.contiguous() for chunk in torch.tensor_split(tensor, runtime.size())]
+    output = torch.empty_like(chunks[runtime.rank()])
+    scale = _averaging(op, output)
+    if runtime.size() == 1:
+        return _done(scale(output.copy_(chunks[0])), async_op)
+    if all(chunk.shape == output.shape for chunk in chunks):
+        start = lambda: dist.reduce_scatter_tensor(output, tensor.contiguous(), reduce_op,  # noqa: E731
+                                                    group=_group(tensor), async_op=True)
+    else:
+        start = lambda: dist.reduce_scatter(output, chunks, reduce_op, group=_group(tensor), async_op=True)  # noqa: E731
+    return _launch("reduce_scatter", start, lambda: scale(output), async_op)
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async_op: bool = False,
+             check: bool = True) -> Any:
+    """Send ``splits[r]`` rows of ``tensor`` (in order) to rank ``r``; return what all ranks sent here.
+
+    Without ``splits`` dim 0 is divided equally. Received pieces are concatenated in rank order.
+    """
+    world = runtime.size()
+    splits = _alltoall_splits(tensor, splits, world)
+    sent = torch.tensor(splits, dtype=torch.int64)
+    if check:
+        _check("alltoall", tensor, 0, ignore_first_dim=True)
+    if world == 1:
+        return _done(tensor.clone(), async_op)
+    received = torch.empty_like(sent)
+    with translate_errors("alltoall"):
+        dist.all_to_all_single(received, sent, group=runtime.group_for(None))
+    output = tensor.new_empty((int(received.sum()), *tensor.shape[1:]))
+    return _launch("alltoall", lambda: dist.all_to_all_single(
+        output, tensor.contiguous(), received.tolist(), splits, group=_group(tensor), async_op=True),
+        lambda: output, async_op)
+
+
+def barrier(*, async_op: bool = False) -> Any:
+    """Wait until every rank has reached this point."""
+    if runtime.size() == 1:
+        return _done(None, async_op)
+    return _launch("barrier", lambda: dist.barrier(group=runtime.group_for(None), async_op=True),
+                   lambda: None, async_op)
+
+
+def broadcast_object(obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
+    """Return ``root``'s picklable object on every rank (peers are trusted: it is unpickled)."""
+    _check_root(root)
+    if runtime.size() == 1:
+        return _done(obj, async_op)
+    payload = _to_bytes(obj) if runtime.rank() == root else torch.empty(0, dtype=torch.uint8)
+    length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root, check=False)
+    if runtime.rank() != root:
+        payload = torch.empty(int(length), dtype=torch.uint8)
+    handle = broadcast_(payload, root, async_op=True, check=False)
+    return _then(handle, _from_bytes, async_op)
+
+
+def allgather_object(obj: Any, *, async_op: bool = False) -> Any:
+    """Return the list of every rank's picklable object, in rank order."""
+    if runtime.size() == 1:
+        return _done([obj], async_op)
+    payload = _to_bytes(obj)
+    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64), check=False).tolist()
+    handle = allgather(payload, async_op=True, check=False)
+    return _then(handle, lambda flat: [_from_bytes(piece) for piece in torch.split(flat, lengths)], async_op)
+
+
+REDUCE_OPS_INDEX = {name: index for index, name in enumerate(REDUCE_OPS)}
+
+
+def _launch(name: str, start: Callable[[], Any], finish: Callable[[], T], async_op: bool) -> Any:
+    if runtime.size() == 1:
+        return _done(finish(), async_op)
+    with translate_errors(name):
+        work = start()
+    handle = Handle(name, work, finish)
+    return handle if async_op else handle.wait()
+
+
+def _done(result: T, async_op: bool) -> Any:
+    return Handle("completed", None, lambda: result) if async_op else result
+
+
+def _then(handle: Handle, convert: Callable[[Any], T], async_op: bool) -> Any:
+    chained = Handle(handle._name, None, lambda: convert(handle.wait()))
+    return chained if async_op else chained.wait()
+
+
+def _group(tensor: torch.Tensor) -> Any:
+    return runtime.group_for(tensor)
+
+
+def _reduce_op(op: str, tensor: torch.Tensor) -> Any:
+    if op not in REDUCE_OPS:
+        raise ConfigurationError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}.")
+    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ConfigurationError(
+            f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide, or convert first."
+        )
+    return REDUCE_OPS[op]
+
+
+def _averaging(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    if op != "avg" or runtime.size() == 1:
+        return lambda t: t
+    return lambda t: t.div_(runtime.size())
+
+
+def _check_root(root: int) -> None:
+    if not 0 <= root < runtime.size():
+        raise ConfigurationError(f"root must be a rank in [0, {runtime.size()}), got {root}.")
+
+
+def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: int) -> list[int]:
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if splits is None:
+        if rows % world:
+            raise ConfigurationError(
+                f"alltoall without splits needs dim 0 ({rows}) divisible by the world size {world}; pass splits."
+            )
+        return [rows // world] * world
+    splits = [int(s) for s in splits]
+    if len(splits) != world or sum(splits) != rows or min(splits) < 0:
+        raise ConfigurationError(
+            f"alltoall splits {splits} must hold {world} non-negative counts summing to dim 0 ({rows})."
+        )
+    return splits
+
+
+# --- cross-rank metadata check -------------------------------------------------------------
+
+
+def _record(operation: str, tensor: torch.Tensor, detail: int) -> torch.Tensor:
+    if tensor.dim() > _MAX_DIMS:
+        raise ConfigurationError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}.")
+    record = torch.full((_RECORD_LEN,), -1, dtype=torch.int64)
+    record[0] = _OPERATIONS.index(operation)
+    record[1] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
+    record[2] = detail
+    record[3] = tensor.dim()
+    record[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return record
+
+
+def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0) -> list[list[int]]:
+    record = _record(operation, tensor, detail)
+    if runtime.size() == 1:
+        return [record.tolist()]
+    rows = torch.empty(runtime.size() * _RECORD_LEN, dtype=torch.int64)
+    with translate_errors(f"{operation} (metadata check)"):
+        dist.all_gather_into_tensor(rows, record, group=runtime.group_for(None))
+    return rows.view(runtime.size(), _RECORD_LEN).tolist()
+
+
+def _check(operation: str, tensor: torch.Tensor, detail: int = 0, ignore_first_dim: bool = False) -> None:
+    if runtime.size() > 1:
+        _compare(_gather_records(operation, tensor, detail), operation, tensor, ignore_first_dim)
+
+
+def _compare(rows: list[list[int]], operation: str, tensor: torch.Tensor, ignore_first_dim: bool) -> None:
+    keys = [_comparable(row, ignore_first_dim) for row in rows]
+    if all(key == keys[0] for key in keys):
+        return
+    described = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+    what = "shapes (beyond dim 0), dtypes or operations" if ignore_first_dim else "operations, shapes or dtypes"
+    raise CollectiveMismatchError(
+        f"{operation} on rank {runtime.rank()}: ranks called it with different {what}: {described}. "
+        "Every rank must call the same collectives in the same order with matching tensors."
+    )
+
+
+def _comparable(row: list[int], ignore_first_dim: bool) -> tuple[int, ...]:
+    return tuple(row[:4] + row[5:]) if ignore_first_dim else tuple(row)
+
+
+def _describe(row: list[int]) -> str:
+    operation = _OPERATIONS[row[0]]
+    dtype = _DTYPES[row[1]] if row[1] < len(_DTYPES) else "unsupported dtype"
+    shape = tuple(row[4 : 4 + row[3]])
+    return f"{operation}({dtype}, shape={list(shape)})"
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor.contiguous()
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_bytes(payload: torch.Tensor) -> Any:
+    return pickle.loads(payload.numpy().tobytes())
+
+
+_PEER_FAILURE_MARKS = ("timed out", "timeout", "connection", "closed", "reset", "broken pipe", "peer", "abort")
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, OSError) or any(mark in text for mark in _PEER_FAILURE_MARKS)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__

@@ -1,0 +1,45 @@
+"""Phalanx's exceptions: one base class, a few precise subclasses.
+
+Every message says what went wrong, on which rank and in which operation, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class PhalanxError(RuntimeError):
+    """Base class of every error phalanx raises on purpose."""
+
+
+class ConfigurationError(PhalanxError, ValueError):
+    """The launch environment or an argument is invalid; the message names the fix."""
+
+
+class NotInitializedError(PhalanxError):
+    """A distributed operation was called before ``px.init()``."""
+
+
+class CollectiveError(PhalanxError):
+    """A collective operation failed on this rank."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks called a collective with different operations, shapes or dtypes.
+
+    Raised on every rank of the group, so no rank is left waiting for the others.
+    """
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A peer died or did not answer within the timeout during a collective."""
+
+
+class WorkerFailedError(PhalanxError):
+    """A worker process started by the launcher exited with an error."""
+
+
+class CheckpointError(PhalanxError):
+    """A checkpoint could not be written, read or matched to the model."""
+
+
+class NonFiniteGradientError(PhalanxError):
+    """A rank produced a NaN or Inf gradient while ``check_finite=True``."""

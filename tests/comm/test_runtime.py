@@ -1,0 +1,61 @@
+"""init/shutdown, rank queries, timeouts, and the world of one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import phalanx as px
+from tests.harness import run_workers
+
+
+def test_world_of_one_needs_no_network_and_init_is_idempotent() -> None:
+    px.init()
+    px.init()
+    assert (px.rank(), px.size(), px.local_rank(), px.local_size(), px.node_rank()) == (0, 1, 0, 1, 0)
+    assert px.is_master() and px.is_initialized()
+    assert not dist.is_initialized()  # nothing listens
+    px.shutdown()
+    assert not px.is_initialized()
+
+
+def test_timeout_comes_from_argument_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHALANX_TIMEOUT", "12")
+    px.init()
+    assert px.timeout() == 12
+    px.shutdown()
+    px.init(timeout=3)
+    assert px.timeout() == 3
+    px.shutdown()
+    monkeypatch.setenv("PHALANX_TIMEOUT", "soon")
+    with pytest.raises(px.ConfigurationError, match="PHALANX_TIMEOUT"):
+        px.init()
+
+
+def test_collectives_before_init_name_the_fix() -> None:
+    with pytest.raises(px.NotInitializedError, match=r"px.init\(\)"):
+        from phalanx.comm import runtime
+
+        runtime.store()
+
+
+def _describe_job() -> tuple:
+    px.init()  # already initialised by the harness: a no-op
+    return (px.rank(), px.size(), px.local_rank(), px.is_master(), dist.is_initialized(), dist.get_rank())
+
+
+def test_ranks_and_the_default_process_group_in_a_real_job() -> None:
+    described = run_workers(_describe_job, 3)
+    assert described == [(r, 3, r, r == 0, True, r) for r in range(3)]
+
+
+def test_rendezvous_with_an_absent_store_fails_clearly_within_the_timeout() -> None:
+    script = "import phalanx as px\ntry:\n    px.init(timeout=2)\nexcept px.CollectiveTimeoutError as e:\n    print(e)"
+    env = {"PHALANX_RANK": "1", "PHALANX_WORLD_SIZE": "2", "PHALANX_LOCAL_RANK": "1",
+           "PHALANX_LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+           "PHALANX_STORE_HOSTED": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert "rendezvous on rank 1 failed" in done.stdout, done.stdout + done.stderr

@@ -1,0 +1,133 @@
+"""Run a function on N real worker processes over Gloo, with a hard timeout.
+
+``run_workers(fn, n, *args)`` starts ``n`` processes, each of which joins a real job (the
+harness hosts the rendezvous store, as ``phalanx run`` does), calls ``fn(*args)`` and returns its
+result. The first failure or the timeout kills every child, and the test fails with each rank's
+traceback and output. Results come back as a list indexed by rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue as queue_module
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+_CONTEXT = multiprocessing.get_context("fork")
+
+
+class WorkersFailed(AssertionError):
+    """One or more workers failed, or the run exceeded its timeout."""
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0,
+                collective_timeout: float = 30.0, env: dict[str, str] | None = None,
+                expect_failure: bool = False) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` workers; return their results in rank order.
+
+    With ``expect_failure=True`` an exception on a rank is returned (as its formatted traceback
+    string) instead of failing the test, so tests can assert on the errors every rank saw.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    logs = [tempfile.NamedTemporaryFile(prefix=f"phalanx-rank{r}-", suffix=".log", delete=False).name
+            for r in range(world_size)]
+    results: Any = _CONTEXT.Queue()
+    worker_env = {"PHALANX_TIMEOUT": str(collective_timeout), **(env or {})}
+    procs = [_CONTEXT.Process(target=_worker, args=(fn, args, rank, world_size, store.port, worker_env,
+                                                     results, logs[rank]), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, logs, timeout, expect_failure)
+    finally:
+        _kill(procs)
+        for log in logs:
+            os.unlink(log)
+
+
+def _collect(procs: list, results: Any, logs: list[str], timeout: float, expect_failure: bool) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    outcome: dict[int, tuple[str, Any]] = {}
+    while len(outcome) < len(procs):
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+            outcome[rank] = (status, pickle.loads(payload))
+            if status == "error" and not expect_failure:
+                raise WorkersFailed(_report(f"rank {rank} raised", outcome, logs))
+        except queue_module.Empty:
+            _check_alive(procs, outcome, logs)
+        if time.monotonic() > deadline:
+            raise WorkersFailed(_report(f"timed out after {timeout:.0f}s", outcome, logs))
+    return [outcome[rank][1] for rank in range(len(procs))]
+
+
+def _check_alive(procs: list, outcome: dict, logs: list[str]) -> None:
+    for rank, proc in enumerate(procs):
+        if rank not in outcome and not proc.is_alive() and proc.exitcode is not None:
+            time.sleep(0.5)  # its result may still be in the pipe
+            if rank not in outcome:
+                raise WorkersFailed(_report(f"rank {rank} exited with code {proc.exitcode} and no result",
+                                            outcome, logs))
+
+
+def _report(reason: str, outcome: dict, logs: list[str]) -> str:
+    parts = [f"workers failed: {reason}"]
+    for rank, log in enumerate(logs):
+        status, value = outcome.get(rank, ("no result", ""))
+        with open(log, errors="replace") as handle:
+            output = handle.read()[-6000:]
+        parts.append(f"--- rank {rank}: {status}\n{value if status == 'error' else ''}\n{output}")
+    return "\n".join(parts)
+
+
+def _kill(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def _worker(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, port: int,
+            env: dict[str, str], results: Any, log: str) -> None:
+    _redirect_output(log)
+    os.environ.update(env)
+    os.environ.update({
+        "PHALANX_RANK": str(rank), "PHALANX_WORLD_SIZE": str(world_size), "PHALANX_LOCAL_RANK": str(rank),
+        "PHALANX_LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "PHALANX_STORE_HOSTED": "1",
+    })
+    import torch
+
+    import phalanx as px
+
+    torch.set_num_threads(1)
+    try:
+        px.init()
+        # Plain pickle copies tensors by value; torch's queue reducers would share memory
+        # with a process that is about to exit.
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        traceback.print_exc()
+        results.put((rank, "error", pickle.dumps(traceback.format_exc())))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        px.shutdown()
+
+
+def _redirect_output(log: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
