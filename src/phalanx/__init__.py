@@ -30,6 +30,10 @@ from phalanx.comm.runtime import (
     size,
     timeout,
 )
+from phalanx import data
+from phalanx.parallel.batchnorm import SyncBatchNorm
+from phalanx.parallel.compression import TopK
+from phalanx.parallel.data_parallel import DataParallel
 from phalanx.errors import (
     CheckpointError,
     CollectiveError,
@@ -45,6 +49,7 @@ from phalanx.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel", "SyncBatchNorm", "TopK", "data",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
     "WorkerFailedError", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",

@@ -1,0 +1,122 @@
+"""``px.DataParallel``: one model replica per worker, gradients averaged during backward."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
+from phalanx.parallel import batchnorm, compression as compressions, replicate
+from phalanx.parallel.autotune import FusionTuner
+from phalanx.parallel.reducer import GradientReducer
+
+DEFAULT_FUSION_THRESHOLD_MB = 25.0
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that ``loss.backward()`` leaves the global average gradient in ``.grad``.
+
+    Construction checks that every rank built the same model and broadcasts rank 0's parameters
+    and buffers. Gradients are fused into buckets of about ``fusion_threshold_mb`` (``0``: one
+    allreduce per tensor, ``float("inf")``: one per step, ``"auto"``: measured during the first
+    steps) and reduced while backpropagation continues. Ranks are weighted by the samples they
+    saw, so uneven shares of a global batch still give the exact global-batch gradient.
+
+    ``accumulate_steps=k`` reduces only on every ``k``-th backward (decided at forward time);
+    ``no_sync()`` skips reduction inside it. ``compression`` is ``None``, ``"fp16"``, ``"bf16"``
+    or ``px.TopK(ratio)``. ``check_finite`` raises on every rank when an averaged gradient holds
+    NaN or Inf. At world size 1 nothing is hooked and the wrapper costs nothing.
+    """
+
+    def __init__(self, module: nn.Module, fusion_threshold_mb: float | str = DEFAULT_FUSION_THRESHOLD_MB,
+                 compression: str | compressions.Compression | None = None, accumulate_steps: int = 1,
+                 sync_batchnorm: bool = False, check_finite: bool = False, broadcast: bool = True):
+        super().__init__()
+        if accumulate_steps < 1:
+            raise ConfigurationError(f"accumulate_steps must be at least 1, got {accumulate_steps}.")
+        self.module = batchnorm.SyncBatchNorm.convert(module) if sync_batchnorm else module
+        self.accumulate_steps = accumulate_steps
+        self.tuner = FusionTuner() if fusion_threshold_mb == "auto" else None
+        threshold = self.tuner.initial if self.tuner else _validate_threshold(fusion_threshold_mb)
+        self._micro_step = 0
+        self._skip_sync = False
+        self._checked_batch = False
+        if runtime.size() > 1 and broadcast:
+            replicate.check_same_structure(self.module)
+            replicate.broadcast_state(self.module)
+        self.reducer = self._make_reducer(threshold, compressions.resolve(compression), check_finite)
+
+    def _make_reducer(self, threshold: float, compression: compressions.Compression,
+                      check_finite: bool) -> GradientReducer | None:
+        if runtime.size() == 1 and not check_finite:
+            return None
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold, compression,
+                               check_finite, on_step_end=self.tuner)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        local_samples = _batch_size(args, kwargs)
+        if not self._checked_batch:
+            self._checked_batch = True
+            batchnorm.warn_if_small_local_batch(self.module, local_samples)
+        if self.reducer is not None and self.training and torch.is_grad_enabled():
+            self._micro_step += 1
+            self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0
+            self.reducer.expect_backward(local_samples)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within this block, backward accumulates local gradients without communicating."""
+        previous, self._skip_sync = self._skip_sync, True
+        try:
+            yield
+        finally:
+            self._skip_sync = previous
+
+    def reduce_without_data(self) -> None:
+        """Join this step's reduction from a rank that has no samples for it.
+
+        The rank contributes zero gradient and zero samples, and afterwards holds the same
+        averaged ``.grad`` as every other rank, so its optimizer step keeps the replicas equal.
+        """
+        if self.reducer is None:
+            return
+        self._micro_step += 1
+        self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0
+        self.reducer.reduce_without_data()
+
+    @property
+    def fusion_threshold_mb(self) -> float:
+        """The threshold in use (after ``"auto"`` has chosen, the chosen one)."""
+        return self.reducer.threshold_mb if self.reducer else math.inf
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, without a wrapper prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _validate_threshold(threshold: Any) -> float:
+    if isinstance(threshold, (int, float)) and threshold >= 0:
+        return float(threshold)
+    raise ConfigurationError(
+        f"fusion_threshold_mb must be a number of megabytes >= 0, float('inf') or 'auto', got {threshold!r}."
+    )
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    """Samples in this forward: dim 0 of the first tensor argument (1 if there is none)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return int(value[0].shape[0]) if value[0].dim() else 1
+    return 1

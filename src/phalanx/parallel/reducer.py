@@ -1,0 +1,205 @@
+"""The gradient reducer: averages gradients over ranks while backpropagation runs.
+
+Each parameter has a post-accumulate-grad hook. When a parameter's gradient is final, the hook
+writes it, multiplied by this rank's weight, into its bucket (and makes ``.grad`` a view of that
+slot). A bucket whose gradients are all written is launched asynchronously, strictly in bucket
+order, so every rank issues the same collectives in the same order. When autograd finishes, a
+callback launches the buckets still open (parameters that got no gradient contribute zero),
+waits for all of them, and leaves the averaged gradients in ``.grad``.
+
+Weights make the average exact when ranks hold different numbers of samples: rank ``r``
+contributes ``n_r / N`` of its mean gradient, where the global count ``N`` is summed by a tiny
+allreduce launched at forward time and finished long before the first bucket needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from phalanx.comm import collectives, runtime
+from phalanx.errors import NonFiniteGradientError
+from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
+from phalanx.parallel.compression import Compression
+
+
+class GradientReducer:
+    """Hooks, buckets and the per-step state machine of one :class:`DataParallel` model."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], threshold_mb: float,
+                 compression: Compression, check_finite: bool = False,
+                 on_step_end: Callable[[float], float | None] | None = None):
+        self.params = list(params)
+        self.names = list(names)
+        self.compression = compression
+        self.check_finite = check_finite
+        self.threshold_mb = threshold_mb
+        self.syncing = True
+        self._on_step_end = on_step_end
+        self._local_samples = 0
+        self._count_handle: Any = None
+        self._weight = 1.0 / runtime.size()
+        self._in_backward = False
+        self._packed: list[bool] = []
+        self._next_launch = 0
+        self._observed_order: list[int] | None = []
+        self._compression_state: list[dict[str, Any]] = []
+        self._install(list(reversed(range(len(self.params)))), threshold_mb)
+        self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(index))
+                       for index, param in enumerate(self.params)]
+
+    # --- forward side ---------------------------------------------------------------------
+
+    def expect_backward(self, local_samples: int) -> None:
+        """Record a training forward of ``local_samples``; start summing the global count now."""
+        self._local_samples += local_samples
+        if self.syncing and runtime.size() > 1:
+            count = torch.tensor([self._local_samples], dtype=torch.int64)
+            self._count_handle = collectives.allreduce_(count, "sum", async_op=True, check=False)
+
+    def reduce_without_data(self) -> None:
+        """Take part in a synchronised step with no backward here: contribute only what ``.grad`` holds."""
+        self.expect_backward(0)
+        if self.syncing:
+            self._begin_backward(queue_finish=False)
+            self._finish_backward()
+
+    def remove(self) -> None:
+        """Detach every hook; the model goes back to plain local gradients."""
+        for hook in self._hooks:
+            hook.remove()
+
+    # --- backward side --------------------------------------------------------------------
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def on_gradient_ready(_: torch.Tensor) -> None:
+            if not self.syncing:
+                return
+            if not self._in_backward:
+                self._begin_backward(queue_finish=True)
+            if self._observed_order is not None:
+                self._observed_order.append(index)
+            self._pack(index)
+            bucket = self._buckets[self._bucket_of[index][0]]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready_buckets()
+
+        return on_gradient_ready
+
+    def _begin_backward(self, queue_finish: bool) -> None:
+        self._in_backward = True
+        self._weight = self._resolve_weight()
+        self._packed = [False] * len(self.params)
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.reset()
+        if queue_finish:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _resolve_weight(self) -> float:
+        if self._count_handle is None:
+            return 1.0 / runtime.size()
+        total = int(self._count_handle.wait())
+        return self._local_samples / total if total else 0.0
+
+    def _pack(self, index: int) -> None:
+        """Write this parameter's weighted gradient into its bucket slot (zero if it has none)."""
+        bucket_index, slot = self._bucket_of[index]
+        bucket = self._buckets[bucket_index]
+        param, view = self.params[index], bucket.views[slot]
+        grad = param.grad
+        if grad is None or self._weight == 0.0:
+            view.zero_()  # also clears the NaN a mean over an empty batch produces
+        elif grad.data_ptr() == view.data_ptr():
+            view.mul_(self._weight)
+        else:
+            torch.mul(grad, self._weight, out=view)
+            param.grad = view
+        bucket.trailer[slot] = 0 if grad is None else 1
+        self._packed[index] = True
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            bucket = self._buckets[self._next_launch]
+            bucket.handle = self.compression.launch(bucket.flat, bucket.gradient_numel,
+                                                    self._compression_state[bucket.index])
+            bucket.state = BucketState.IN_FLIGHT
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        """Launch what is still open, wait for every bucket, publish the averages in ``.grad``."""
+        for bucket in self._buckets[self._next_launch:]:
+            for index in bucket.param_indices:
+                if not self._packed[index]:
+                    self._pack(index)
+            bucket.pending = 0
+        self._launch_ready_buckets()
+        for bucket in self._buckets:
+            bucket.handle.wait()
+            bucket.state = BucketState.DONE
+            self._publish(bucket)
+        self._in_backward = False
+        self._local_samples = 0
+        self._count_handle = None
+        if self.check_finite:
+            self._raise_if_not_finite()
+        self._after_step()
+
+    def _publish(self, bucket: Bucket) -> None:
+        """Point ``.grad`` at the averaged slot; parameters no rank had a gradient for keep ``None``."""
+        used = bucket.trailer.tolist()
+        for slot, index in enumerate(bucket.param_indices):
+            self.params[index].grad = bucket.views[slot] if used[slot] > 0 else None
+
+    def _raise_if_not_finite(self) -> None:
+        for index, param in enumerate(self.params):
+            if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+                raise NonFiniteGradientError(
+                    f"rank {runtime.rank()}: the averaged gradient of '{self.names[index]}' holds NaN or Inf, so "
+                    "at least one rank produced a non-finite gradient this step. Lower the learning rate, clip "
+                    "gradients, or check that rank's inputs; every rank raises this same error."
+                )
+
+    # --- bucket layout --------------------------------------------------------------------
+
+    def _after_step(self) -> None:
+        """Adopt the observed gradient order once, and any fusion threshold the tuner picked."""
+        order = None
+        if self._observed_order is not None:
+            order = self._agreed_order(self._observed_order)
+            self._observed_order = None
+        threshold = self._on_step_end(time.perf_counter()) if self._on_step_end else None
+        if order is not None or threshold is not None:
+            self._install(order or self._order, threshold if threshold is not None else self.threshold_mb)
+
+    def _agreed_order(self, observed: list[int]) -> list[int]:
+        """Rank 0's order of readiness (then parameters never ready), identical on every rank."""
+        missing = [i for i in reversed(range(len(self.params))) if i not in set(observed)]
+        return collectives.broadcast_object(observed + missing, root=0)
+
+    def _install(self, order: list[int], threshold_mb: float) -> None:
+        """Lay out buckets for ``order``, moving any existing gradients into their new slots."""
+        self._order, self.threshold_mb = list(order), threshold_mb
+        ordered = [self.params[i] for i in order]
+        self._buckets = [Bucket.allocate(b, [order[k] for k in group], self.params)
+                         for b, group in enumerate(plan_buckets(ordered, threshold_mb))]
+        self._compression_state = [{} for _ in self._buckets]
+        self._bucket_of: dict[int, tuple[int, int]] = {}
+        for bucket in self._buckets:
+            for slot, index in enumerate(bucket.param_indices):
+                self._bucket_of[index] = (bucket.index, slot)
+                self._adopt_gradient(index, bucket.views[slot])
+
+    def _adopt_gradient(self, index: int, view: torch.Tensor) -> None:
+        param = self.params[index]
+        if param.grad is not None:
+            view.copy_(param.grad)
+            param.grad = view
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Number of gradient elements in each bucket, in launch order."""
+        return [bucket.gradient_numel for bucket in self._buckets]

@@ -1,0 +1,202 @@
+"""px.DataParallel: averaged gradients equal a single-process reference, on real workers."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.data import share_bounds
+from tests.harness import run_workers
+from tests.parallel.models import MODELS, data
+
+
+def _shares(samples: int, world: int) -> list[tuple[int, int]]:
+    return [share_bounds(samples, world, r) for r in range(world)]
+
+
+def _build(name: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def _worker_gradients(cfg: dict) -> dict:
+    """Wrap a rank-seeded model (broadcast must equalise it), run the configured backwards."""
+    model = px.DataParallel(_build(cfg["model"], seed=100 + px.rank()), **cfg.get("options", {}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(cfg.get("steps", 1)):
+        optimizer.zero_grad()
+        for micro in range(cfg.get("micro", 1)):
+            x, y = data(cfg["model"], cfg["samples"], seed=step * 10 + micro)
+            start, stop = share_bounds(cfg["samples"], px.size(), px.rank())
+            context = model.no_sync() if cfg.get("no_sync_first") and micro == 0 else _null()
+            with context:
+                loss = F.cross_entropy(model(x[start:stop]), y[start:stop]) / cfg.get("micro", 1)
+                loss.backward()
+        if cfg.get("optimize"):
+            optimizer.step()
+    return {
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.module.named_parameters()},
+        "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+        "threshold": model.fusion_threshold_mb,
+    }
+
+
+class _null:
+    def __enter__(self) -> None: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def _reference(cfg: dict, world: int) -> dict:
+    """One process, one model: the weighted objective over every rank's share."""
+    model = _build(cfg["model"], seed=100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(cfg.get("steps", 1)):
+        optimizer.zero_grad()
+        for micro in range(cfg.get("micro", 1)):
+            x, y = data(cfg["model"], cfg["samples"], seed=step * 10 + micro)
+            if cfg["model"] == "branchy":  # the branch depends on each rank's share
+                loss = sum(F.cross_entropy(model(x[a:b]), y[a:b]) * (b - a) / len(x)
+                           for a, b in _shares(cfg["samples"], world))
+            else:
+                loss = F.cross_entropy(model(x), y)
+            (loss / cfg.get("micro", 1)).backward()
+        if cfg.get("optimize"):
+            optimizer.step()
+    return {"grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _assert_matches(results: list[dict], reference: dict, key: str = "grads", rtol: float = 1e-5,
+                    atol: float = 1e-6) -> None:
+    for rank, result in enumerate(results):
+        for name, expected in reference[key].items():
+            got = result[key][name]
+            if expected is None:
+                assert got is None, f"rank {rank} {name}: expected no gradient"
+            else:
+                torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+CASES = {
+    "mlp": {"model": "mlp", "samples": 12},
+    "mlp-uneven-shares": {"model": "mlp", "samples": 7},
+    "cnn": {"model": "cnn", "samples": 12},
+    "unused-branch": {"model": "branchy", "samples": 5},
+    "accumulate-2": {"model": "mlp", "samples": 12, "micro": 2, "options": {"accumulate_steps": 2}},
+    "no-sync": {"model": "cnn", "samples": 12, "micro": 2, "no_sync_first": True},
+    "sync-batchnorm": {"model": "cnn_bn", "samples": 12, "options": {"sync_batchnorm": True}},
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_equal_the_single_process_gradient(case: str, world_size: int) -> None:
+    cfg = CASES[case]
+    _assert_matches(run_workers(_worker_gradients, world_size, cfg), _reference(cfg, world_size))
+
+
+@pytest.mark.parametrize("threshold", [0, 0.001, math.inf, "auto"])
+def test_every_fusion_threshold_gives_the_same_gradients(threshold: float | str) -> None:
+    steps = 24 if threshold == "auto" else 2
+    cfg = {"model": "cnn", "samples": 12, "steps": steps, "options": {"fusion_threshold_mb": threshold}}
+    results = run_workers(_worker_gradients, 2, cfg)
+    _assert_matches(results, _reference(cfg, 2))
+    if threshold == "auto":
+        assert results[0]["threshold"] == results[1]["threshold"] != "auto"
+
+
+def test_replicas_stay_identical_over_ten_optimizer_steps() -> None:
+    cfg = {"model": "mlp", "samples": 9, "steps": 10, "optimize": True}
+    results = run_workers(_worker_gradients, 3, cfg)
+    for name, value in results[0]["params"].items():
+        for other in results[1:]:
+            assert torch.equal(other["params"][name], value), name
+    _assert_matches(results, _reference(cfg, 3), key="params")
+
+
+@pytest.mark.parametrize("compression, rtol", [("fp16", 1e-2), ("bf16", 4e-2)])
+def test_cast_compression_stays_within_its_precision(compression: str, rtol: float) -> None:
+    cfg = {"model": "mlp", "samples": 12, "options": {"compression": compression}}
+    _assert_matches(run_workers(_worker_gradients, 2, cfg), _reference(cfg, 2), rtol=rtol, atol=rtol * 1e-2)
+
+
+def _rank_one_sends_nan() -> str:
+    model = px.DataParallel(_build("mlp", 0), check_finite=True)
+    x, y = data("mlp", 4)
+    if px.rank() == 1:
+        x[0, 0] = float("nan")
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except px.NonFiniteGradientError as error:
+        return str(error)
+    return "no error"
+
+
+def test_check_finite_raises_on_every_rank_naming_the_parameter() -> None:
+    for message in run_workers(_rank_one_sends_nan, 2):
+        assert "NaN or Inf" in message and "'4.bias'" in message or "'0.weight'" in message, message
+
+
+def _differing_models() -> str:
+    torch.manual_seed(0)
+    width = 32 if px.rank() == 0 else 33
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 2))
+    try:
+        px.DataParallel(model)
+    except px.ConfigurationError as error:
+        return str(error)
+    return "no error"
+
+
+def test_models_that_differ_between_ranks_are_refused_on_every_rank() -> None:
+    for message in run_workers(_differing_models, 2):
+        assert "rank 1 differs from rank 0's" in message and "'0.weight' [33, 8]" in message, message
+
+
+def _empty_share_step() -> dict:
+    model = px.DataParallel(_build("mlp", 0))
+    x, y = data("mlp", 2)
+    if px.rank() == 2:
+        model.reduce_without_data()
+    else:
+        F.cross_entropy(model(x[px.rank() : px.rank() + 1]), y[px.rank() : px.rank() + 1]).backward()
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+def test_a_rank_without_samples_contributes_zero_and_receives_the_average() -> None:
+    results = run_workers(_empty_share_step, 3)
+    model = _build("mlp", 0)
+    x, y = data("mlp", 2)
+    F.cross_entropy(model(x), y).backward()
+    for result in results:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(result[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_world_size_one_installs_nothing_and_changes_nothing() -> None:
+    px.init()
+    plain = _build("cnn", 0)
+    wrapped = px.DataParallel(_build("cnn", 0))
+    assert wrapped.reducer is None
+    x, y = data("cnn", 6)
+    F.cross_entropy(plain(x), y).backward()
+    F.cross_entropy(wrapped(x), y).backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.module.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+
+
+def test_small_local_batch_with_batchnorm_warns_once() -> None:
+    px.init()
+    model = px.DataParallel(_build("cnn_bn", 0))
+    x, _ = data("cnn_bn", 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x)
+        model(x)
+    assert len([w for w in caught if "sync_batchnorm=True" in str(w.message)]) == 1
