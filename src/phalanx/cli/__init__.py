@@ -1,0 +1,1 @@
+"""The ``phalanx`` command line: ``phalanx run`` starts and supervises local workers."""

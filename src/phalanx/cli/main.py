@@ -1,0 +1,149 @@
+"""The ``phalanx`` command line. ``main(argv)`` parses, runs, and returns the exit code.
+
+Everything after the script (or the ``-m`` module) belongs to the script, untouched: the
+launcher's own options must come before it, as with ``python`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from phalanx.cli.launcher import DEFAULT_GRACE_S, DEFAULT_MASTER_ADDR, LaunchConfig, launch
+from phalanx.errors import ConfigurationError
+
+PROG = "phalanx"
+
+RUN_DESCRIPTION = """\
+Start N worker processes on this host running a script or module, each told its rank through
+PHALANX_RANK/PHALANX_WORLD_SIZE (and torch's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). The
+launcher hosts the rendezvous store, prefixes every output line with the worker's rank, and
+stops all workers as soon as one fails."""
+
+RUN_EPILOG = """\
+exit status:
+  0        every worker exited with 0
+  N        the first worker to fail exited with N (128+S if killed by signal S);
+           its rank and the tail of its stderr are repeated at the end
+  2        invalid arguments
+  130/143  the launcher was stopped by SIGINT (Ctrl-C) / SIGTERM
+
+examples:
+  phalanx run -n 4 train.py --epochs 3
+  phalanx run -n 2 -m mypackage.train --lr 0.1"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``phalanx`` command line on ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["run"]:
+            return _run(argv[1:])
+        return _other_command(argv)
+    except SystemExit as exit_:  # argparse's --help and usage errors
+        return exit_.code if isinstance(exit_.code, int) else 2
+    except KeyboardInterrupt:  # Ctrl-C before the launcher took over the signal
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    """``phalanx run``: parse, validate, launch. Configuration errors print one line and exit 2."""
+    parser, value_options = build_parser()
+    launcher_args, target_args = split_run_argv(argv, value_options)
+    namespace = parser.parse_args(["run", *launcher_args, *(["--", target_args[0]] if target_args else [])])
+    try:
+        config = config_from_args(namespace, target_args[1:])
+        config.validate()
+        return launch(config)
+    except ConfigurationError as error:
+        print(f"{PROG} run: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # e.g. the process table is full
+        print(f"{PROG} run: error: could not start the workers: {error}", file=sys.stderr)
+        return 1
+
+
+def _other_command(argv: list[str]) -> int:
+    """Anything but ``run``: help, ``--version``, or a usage error."""
+    parser, _ = build_parser()
+    namespace = parser.parse_args(argv)
+    if namespace.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return 0
+
+
+def split_run_argv(argv: Sequence[str], value_options: frozenset[str]) -> tuple[list[str], list[str]]:
+    """Split ``run``'s arguments into the launcher's options and ``[target, *target_args]``.
+
+    The target is the first word that is neither an option nor an option's value (or the word
+    after ``--``). Nothing after it is parsed here, so the script's own ``--flags`` and ``--``
+    reach it exactly as written.
+    """
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            return list(argv[:index]), list(argv[index + 1:])
+        if token == "-" or not token.startswith("-"):
+            return list(argv[:index]), list(argv[index:])
+        index += 2 if token in value_options else 1
+    return list(argv), []
+
+
+def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) -> LaunchConfig:
+    """The :class:`LaunchConfig` a parsed ``phalanx run`` command line asks for."""
+    return LaunchConfig(
+        target=namespace.target or "",
+        args=tuple(target_args),
+        is_module=namespace.module,
+        nproc_per_node=namespace.nproc_per_node,
+        master_addr=namespace.master_addr,
+        master_port=namespace.master_port,
+        timeout_s=namespace.timeout,
+        grace_s=namespace.grace,
+        prefix_output=not namespace.no_prefix,
+    )
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
+    """The ``phalanx`` parser, and the ``run`` options that take a value (for :func:`split_run_argv`)."""
+    from phalanx import __version__
+
+    parser = argparse.ArgumentParser(prog=PROG, description="Distributed data-parallel training for PyTorch.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser("run", help="start N local workers and supervise them", description=RUN_DESCRIPTION,
+                              epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              allow_abbrev=False)
+    return parser, _add_run_arguments(run)
+
+
+def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
+    value_options: list[str] = []
+
+    def option(*flags: str, **kwargs: object) -> None:
+        run.add_argument(*flags, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("action") is None:
+            value_options.extend(flags)
+
+    option("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="worker processes to start (default 1)")
+    option("-m", "--module", action="store_true", help="run the target as a module, like `python -m`")
+    option("--master-addr", default=DEFAULT_MASTER_ADDR, metavar="ADDR",
+           help=f"address the rendezvous store listens on and workers connect to (default {DEFAULT_MASTER_ADDR})")
+    option("--master-port", type=int, default=0, metavar="PORT",
+           help="port of the rendezvous store (default 0: a free port)")
+    option("--timeout", type=float, default=None, metavar="SECONDS",
+           help="rendezvous and collective timeout, passed to workers as PHALANX_TIMEOUT (default 300)")
+    option("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+           help=f"after a failure, how long workers get between SIGTERM and SIGKILL (default {DEFAULT_GRACE_S:g})")
+    option("--no-prefix", action="store_true", help="do not prefix output lines with the worker's [rank]")
+    run.add_argument("target", nargs="?", metavar="script.py | module", help="the script, or with -m the module")
+    run.add_argument("args", nargs="*", metavar="args", help="arguments passed to the script unchanged")
+    return frozenset(value_options)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

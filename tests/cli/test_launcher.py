@@ -1,0 +1,296 @@
+"""``phalanx run``: real launcher and worker processes, each run under a hard timeout.
+
+Worker scripts avoid importing torch (except the ``px.init`` test) so each launch costs about
+one torch import, in the launcher. Pids that workers write to files prove no process outlives
+the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.cli.launcher import LaunchConfig, describe_exit, exit_code_of, split_lines
+from phalanx.cli.main import build_parser, main, split_run_argv
+
+LAUNCH_TIMEOUT_S = 60
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the launcher uses POSIX process groups")
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any launch variables it might itself have been started with."""
+    launch_keys = ("PHALANX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launch_keys)}
+    env.update(extra)
+    return env
+
+
+def phalanx_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "phalanx", "run", *args]
+
+
+def run_phalanx(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the launcher to completion; ``subprocess.run`` kills it if it overruns the timeout."""
+    return subprocess.run(phalanx_command(*args), cwd=cwd, env=env or worker_env(), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def write_script(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def assert_all_gone(pids: list[int], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in pids if is_alive(pid)]
+    for pid in survivors:  # do not leave them behind for the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes outlived the launcher: {survivors}"
+
+
+def read_pids(directory: Path, expected: int, within_s: float = 30.0) -> list[int]:
+    """Wait until ``expected`` pid files exist in ``directory``; return the pids."""
+    deadline = time.monotonic() + within_s
+    while True:
+        files = [f for f in directory.glob("*.pid") if f.read_text().strip()]
+        if len(files) >= expected:
+            return [int(f.read_text()) for f in files]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"only {len(files)} of {expected} workers wrote their pid")
+        time.sleep(0.1)
+
+
+PRINT_RANK = """\
+    import os, sys
+    print(os.environ["PHALANX_RANK"], os.environ["PHALANX_WORLD_SIZE"], *sys.argv[1:])
+    print("stderr of", os.environ["RANK"], file=sys.stderr)
+"""
+
+# Writes its pid, then: rank 1 fails with code 3 after printing a traceback; rank 2 answers
+# SIGTERM with code 9 (a later failure that must not be the one reported); the rest sleep.
+FAIL_ONE = """\
+    import os, signal, sys, time, traceback
+    rank = os.environ["PHALANX_RANK"]
+    if rank == "2":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(9))
+    open(os.path.join(sys.argv[1], rank + ".pid"), "w").write(str(os.getpid()))
+    if rank == "1":
+        while len(os.listdir(sys.argv[1])) < 3:
+            time.sleep(0.05)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            traceback.print_exc()
+            sys.exit(3)
+    time.sleep(1000)
+"""
+
+# Every worker ignores SIGTERM and has a child process; rank 0 then dies by SIGKILL.
+STUBBORN = """\
+    import os, signal, subprocess, sys, time
+    rank = os.environ["PHALANX_RANK"]
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+    open(os.path.join(sys.argv[1], "child" + rank + ".pid"), "w").write(str(child.pid))
+    open(os.path.join(sys.argv[1], rank + ".pid"), "w").write(str(os.getpid()))
+    if rank == "0":
+        while len(os.listdir(sys.argv[1])) < 4:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1000)
+"""
+
+SLEEP = """\
+    import os, sys, time
+    open(os.path.join(sys.argv[1], os.environ["PHALANX_RANK"] + ".pid"), "w").write(str(os.getpid()))
+    print("ready", flush=True)
+    time.sleep(1000)
+"""
+
+
+# ---- whole launches -------------------------------------------------------------------------
+
+
+def test_every_rank_prints_with_its_prefix(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "ranks.py", PRINT_RANK)
+    result = run_phalanx("-n", "3", str(script), "--flag", "--", "-n", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[{r}] {r} 3 --flag -- -n" for r in range(3)]
+    assert sorted(result.stderr.splitlines()) == [f"[{r}] stderr of {r}" for r in range(3)]
+
+
+def test_no_prefix_and_module(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    write_script(package, "job.py", PRINT_RANK)
+    env = worker_env(PYTHONPATH=str(package.parent))
+    result = run_phalanx("-n", "2", "--no-prefix", "-m", "pkg.job", "a", cwd=tmp_path / "pkg", env=env)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["0 2 a", "1 2 a"]
+
+
+def test_first_failure_sets_exit_code_and_stops_the_others(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fail.py", FAIL_ONE)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    started = time.monotonic()
+    result = run_phalanx("-n", "3", str(script), str(pids), cwd=tmp_path)
+    assert time.monotonic() - started < 15, "the sleeping workers were not stopped promptly"
+    assert result.returncode == 3, result.stderr
+    summary = result.stderr.split("phalanx run: ", 1)[1]
+    assert "rank 1" in summary and "exit code 3" in summary
+    assert "Traceback (most recent call last)" in summary and 'ValueError("boom")' in summary
+    assert "[1] ValueError: boom" in result.stderr  # the live, prefixed copy
+    assert_all_gone(read_pids(pids, 3, within_s=0))
+
+
+def test_workers_ignoring_sigterm_are_killed_with_their_children(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "stubborn.py", STUBBORN)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    started = time.monotonic()
+    result = run_phalanx("-n", "2", "--grace", "1", str(script), str(pids), cwd=tmp_path)
+    assert time.monotonic() - started < 15
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr
+    assert "rank 0" in result.stderr and "signal SIGKILL" in result.stderr
+    assert_all_gone(read_pids(pids, 4, within_s=0))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_signal_stops_every_worker(tmp_path: Path, signum: int) -> None:
+    script = write_script(tmp_path, "sleep.py", SLEEP)
+    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = read_pids(tmp_path, 2)
+        launcher.send_signal(signum)
+        _, stderr = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signum, stderr
+    assert f"received {signal.Signals(signum).name}" in stderr
+    assert_all_gone(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "sleep.py", SLEEP)
+    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                                env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pids = read_pids(tmp_path, 2)
+    finally:
+        launcher.kill()
+        launcher.wait(LAUNCH_TIMEOUT_S)
+    assert_all_gone(pids)
+
+
+def test_px_init_sees_the_launched_world(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "init.py", """\
+        import torch
+        torch.set_num_threads(1)
+        import phalanx as px
+        px.init()
+        print(px.rank(), px.size())
+        px.shutdown()
+    """)
+    result = run_phalanx("-n", "3", "--timeout", "60", str(script), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[{r}] {r} 3" for r in range(3)]
+
+
+def test_bad_arguments_exit_2_without_traceback(tmp_path: Path) -> None:
+    result = run_phalanx("-n", "0", "train.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "-n must be at least 1" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- the command line, in process -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "-n", "2", "missing.py"], "script 'missing.py' not found"),
+    (["run", "-n", "2", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' not found"),
+    (["run", "-n", "2", "-m", "train.py"], "-m takes a dotted module name"),
+    (["run", "-n", "2"], "nothing to run"),
+    (["run", "-n", "two", "train.py"], "invalid int value"),
+    (["run", "--master-port", "70000", "train.py"], "--master-port must be within 0-65535"),
+    (["run", "--grace", "-1", "train.py"], "--grace must be 0 or more"),
+    (["run", "--timeout", "0", "train.py"], "--timeout must be a positive"),
+    (["run", "--bogus", "train.py"], "unrecognized arguments: --bogus"),
+    (["fly"], "invalid choice"),
+])
+def test_bad_arguments(argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--help"]) == 0
+    assert "--no-prefix" in capsys.readouterr().out
+
+
+def test_split_run_argv_leaves_the_script_arguments_alone() -> None:
+    _, value_options = build_parser()
+    assert split_run_argv(["-n", "2", "t.py", "-n", "5", "--", "x"], value_options) == (
+        ["-n", "2"], ["t.py", "-n", "5", "--", "x"])
+    assert split_run_argv(["-n3", "-m", "pkg.mod", "--lr", "1"], value_options) == (
+        ["-n3", "-m"], ["pkg.mod", "--lr", "1"])
+    assert split_run_argv(["--grace=1", "--", "-odd.py"], value_options) == (["--grace=1"], ["-odd.py"])
+    assert split_run_argv(["--no-prefix"], value_options) == (["--no-prefix"], [])
+
+
+def test_worker_environment() -> None:
+    config = LaunchConfig(target="t.py", nproc_per_node=2, nnodes=2, node_rank=1, timeout_s=30)
+    spec = config.worker_specs(master_port=1234)[1]
+    env = spec.environment({"OMP_NUM_THREADS": "4", "HOME": "/h"})
+    assert (spec.rank, spec.local_rank, spec.world_size) == (3, 1, 4)
+    expected = {"PHALANX_RANK": "3", "RANK": "3", "PHALANX_WORLD_SIZE": "4", "WORLD_SIZE": "4",
+                "PHALANX_LOCAL_RANK": "1", "LOCAL_RANK": "1", "PHALANX_LOCAL_WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "PHALANX_NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "1234", "PHALANX_STORE_HOSTED": "1", "PYTHONUNBUFFERED": "1",
+                "PHALANX_TIMEOUT": "30", "OMP_NUM_THREADS": "4", "HOME": "/h"}
+    assert env == expected
+    assert spec.command == (sys.executable, "t.py")
+    assert LaunchConfig(target="t.py").worker_specs(1)[0].environment({})["OMP_NUM_THREADS"] == "1"
+
+
+def test_split_lines_keeps_lines_whole() -> None:
+    assert split_lines(b"a\nb\r\nc") == ([b"a\n", b"b\r\n"], b"c")
+    assert split_lines(b"10%\r20%\r") == ([b"10%\r"], b"20%\r")  # the last \r may precede a \n
+    lines, rest = split_lines(b"x" * (1 << 16))
+    assert lines == [b"x" * (1 << 16) + b"\n"] and rest == b""
+
+
+def test_exit_codes() -> None:
+    assert exit_code_of(3) == 3 and exit_code_of(-signal.SIGKILL) == 137
+    assert describe_exit(137) == "signal SIGKILL (exit code 137)"
+    assert describe_exit(3) == "exit code 3"
