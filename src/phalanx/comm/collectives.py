@@ -39,6 +39,9 @@ _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
 )
+# Newer torch renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _MAX_DIMS = 12
 _RECORD_LEN = 4 + _MAX_DIMS  # operation, dtype, op/root, ndim, shape...
 
@@ -165,7 +168,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = Fa
     if runtime.size() == 1:
         return _done(scale(output.copy_(chunks[0])), async_op)
     if all(chunk.shape == output.shape for chunk in chunks):
-        start = lambda: dist.reduce_scatter_tensor(output, tensor.contiguous(), reduce_op,  # noqa: E731
+        start = lambda: _reduce_scatter_single(output, tensor.contiguous(), reduce_op,  # noqa: E731
                                                     group=_group(tensor), async_op=True)
     else:
         start = lambda: dist.reduce_scatter(output, chunks, reduce_op, group=_group(tensor), async_op=True)  # noqa: E731
@@ -308,7 +311,7 @@ def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0) -> li
         return [record.tolist()]
     rows = torch.empty(runtime.size() * _RECORD_LEN, dtype=torch.int64)
     with translate_errors(f"{operation} (metadata check)"):
-        dist.all_gather_into_tensor(rows, record, group=runtime.group_for(None))
+        _all_gather_single(rows, record, group=runtime.group_for(None))
     return rows.view(runtime.size(), _RECORD_LEN).tolist()
 
 
