@@ -34,6 +34,10 @@ from phalanx import data
 from phalanx.parallel.batchnorm import SyncBatchNorm
 from phalanx.parallel.compression import TopK
 from phalanx.parallel.data_parallel import DataParallel
+from phalanx.train import callbacks, lr, metrics
+from phalanx.train.fit import evaluate, fit
+from phalanx.train.lr import scale_lr
+from phalanx.train.state import History
 from phalanx.errors import (
     CheckpointError,
     CollectiveError,
@@ -49,7 +53,8 @@ from phalanx.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "SyncBatchNorm", "TopK", "data",
+    "DataParallel", "History", "SyncBatchNorm", "TopK", "callbacks", "data", "evaluate", "fit", "lr",
+    "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
     "WorkerFailedError", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",

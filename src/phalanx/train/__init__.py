@@ -1,0 +1,1 @@
+"""The training layer: the fit loop, callbacks, metrics, learning-rate rules and checkpoints."""

@@ -1,0 +1,191 @@
+"""Callbacks: objects with any of ``on_train_begin(state)``, ``on_epoch_begin(epoch, state)``,
+``on_step_begin(step, state)``, ``on_step_end(step, logs, state)``, ``on_epoch_end(epoch, logs,
+state)``, ``on_train_end(state)``. Every rank runs every callback with the same (global) logs, so
+decisions such as early stopping are identical everywhere; output is written by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
+from phalanx.train import checkpoint
+from phalanx.train.lr import warmup_factor
+from phalanx.train.state import TrainState
+
+HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end", "on_train_end")
+
+
+class Callback:
+    """Base class with every hook as a no-op; a callback need not inherit from it."""
+
+
+class CallbackList:
+    """Calls a hook on every callback that has it, in order."""
+
+    def __init__(self, callbacks: Sequence[Any]):
+        self.callbacks = list(callbacks)
+
+    def __getattr__(self, hook: str) -> Any:
+        if hook not in HOOKS:
+            raise AttributeError(hook)
+
+        def dispatch(*args: Any) -> None:
+            for callback in self.callbacks:
+                method = getattr(callback, hook, None)
+                if method is not None:
+                    method(*args)
+
+        return dispatch
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto"):
+        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
+        self.mode = ("max" if "acc" in monitor else "min") if mode == "auto" else mode
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.waited = 0
+        self.stopped_epoch: int | None = None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
+        if self.monitor not in logs:
+            raise ConfigurationError(f"EarlyStopping monitors '{self.monitor}', but the logs hold {sorted(logs)}.")
+        value = logs[self.monitor]
+        improved = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        if improved:
+            self.best, self.waited = value, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            state.stop_training = True
+            self.stopped_epoch = epoch
+
+
+class LRWarmup(Callback):
+    """Ramp each learning rate linearly up to its scheduled value (Goyal et al., 2017).
+
+    Give ``warmup_epochs`` or ``warmup_steps``. The rate starts at ``start_factor`` times the
+    scheduled one; after the warm-up the schedule (or the optimizer's rate) applies unchanged.
+    """
+
+    def __init__(self, warmup_epochs: float | None = None, warmup_steps: int | None = None,
+                 start_factor: float = 0.1):
+        if (warmup_epochs is None) == (warmup_steps is None):
+            raise ConfigurationError("LRWarmup needs exactly one of warmup_epochs or warmup_steps.")
+        self.warmup_epochs, self.warmup_steps, self.start_factor = warmup_epochs, warmup_steps, start_factor
+
+    def on_step_begin(self, step: int, state: TrainState) -> None:
+        length = self.warmup_steps or (self.warmup_epochs or 0) * state.steps_per_epoch
+        factor = warmup_factor(state.global_step / length if length else 1.0, self.start_factor)
+        for group, scheduled in zip(state.optimizer.param_groups, state.scheduled_lrs):
+            group["lr"] = scheduled * factor
+
+
+class Checkpoint(Callback):
+    """Save a resumable checkpoint every ``every_steps`` steps and/or every ``every_epochs`` epochs.
+
+    Every rank takes part (each contributes its random-number state); rank 0 writes the file.
+    """
+
+    def __init__(self, directory: str | Path, every_steps: int | None = None, every_epochs: int | None = 1,
+                 keep: int = 3):
+        self.directory, self.every_steps, self.every_epochs, self.keep = Path(directory), every_steps, every_epochs, keep
+
+    def on_step_end(self, step: int, logs: dict[str, float], state: TrainState) -> None:
+        if self.every_steps and state.global_step % self.every_steps == 0:
+            checkpoint.save(state, self.directory, self.keep)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
+        if self.every_epochs and (epoch + 1) % self.every_epochs == 0:
+            checkpoint.save(state, self.directory, self.keep)
+
+
+class ProgressBar(Callback):
+    """A progress bar on rank 0 with loss, samples/s and ETA (tqdm when installed)."""
+
+    def __init__(self, global_batch_size: int):
+        self.global_batch_size = global_batch_size
+        self._bar: Any = None
+        self._started = 0.0
+
+    def on_epoch_begin(self, epoch: int, state: TrainState) -> None:
+        if not runtime.is_master():
+            return
+        self._started = time.perf_counter()
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=state.steps_per_epoch, initial=state.step, desc=f"epoch {epoch + 1}/{state.epochs}",
+                         unit="step", dynamic_ncols=True, leave=True)
+
+    def on_step_end(self, step: int, logs: dict[str, float], state: TrainState) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{logs.get('loss', float('nan')):.4f}",
+                                  samples_s=f"{logs.get('samples_per_s', 0):.0f}", refresh=False)
+            self._bar.update(1)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
+        if not runtime.is_master():
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
+        print(f"epoch {epoch + 1}/{state.epochs}  {shown}  ({time.perf_counter() - self._started:.1f}s)", flush=True)
+
+
+class CSVLogger(Callback):
+    """Append each epoch's logs to a CSV file (rank 0)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
+        if not runtime.is_master():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists()
+        with self.path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["epoch", *logs])
+            if new:
+                writer.writeheader()
+            writer.writerow({"epoch": epoch + 1, **logs})
+
+
+class TensorBoard(Callback):
+    """Write epoch and step logs for TensorBoard when ``tensorboard`` is installed (rank 0)."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir)
+        self._writer: Any = None
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def on_train_begin(self, state: TrainState) -> None:
+        if runtime.is_master():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.log_dir))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
+        if self._writer is not None:
+            for key, value in logs.items():
+                self._writer.add_scalar(f"epoch/{key}", value, epoch + 1)
+
+    def on_train_end(self, state: TrainState) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,184 @@
+"""``px.fit``: train a model on every worker with global-batch semantics, in one call."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.comm import runtime
+from phalanx.data import DistributedLoader, mix_seed
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.data_parallel import DataParallel
+from phalanx.train import callbacks as cb, checkpoint
+from phalanx.train.lr import Schedule
+from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
+from phalanx.train.state import History, TrainState
+
+LOG_EVERY_STEPS = 10
+
+
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], train_data: Any,
+        *, epochs: int, global_batch_size: int, val_data: Any = None, metrics: Sequence[str | Metric] = (),
+        callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | None = None,
+        checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
+        reproducible: bool = False, micro_batch_size: int | None = None, verbose: int = 1,
+        log_dir: str | Path | None = None) -> History:
+    """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
+
+    ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
+    takes its sample-level share, and the result does not depend on the number of workers.
+    ``loss_fn(outputs, targets)`` must return the mean over its samples. ``train_data`` is a
+    dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
+    targets)``. With ``checkpoint_dir`` a checkpoint is written every epoch (and every
+    ``checkpoint_every`` steps), and ``resume=True`` continues from the newest readable one.
+    Returns the per-epoch :class:`History` of global metrics, the same on every rank.
+    """
+    runtime.init()
+    if reproducible:
+        raise NotImplementedError(
+            "reproducible=True (bitwise-identical weights for any worker count) is not available yet; "
+            "run with reproducible=False."
+        )
+    torch.manual_seed(mix_seed(seed, runtime.rank()))
+    model = _wrap(model)
+    loader = _loader(train_data, global_batch_size, seed, shuffle=True)
+    val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
+    state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics))
+    hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
+                                       checkpoint_every, log_dir))
+    if resume and checkpoint_dir is not None:
+        checkpoint.restore(state, checkpoint_dir)
+    _train(state, hooks, loss_fn, val_loader, lr_schedule)
+    return state.history
+
+
+def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, *, global_batch_size: int,
+             metrics: Sequence[str | Metric] = ()) -> dict[str, float]:
+    """Global loss and metrics of ``model`` over ``data``, each worker evaluating its share."""
+    runtime.init()
+    return _evaluate(model, loss_fn, _loader(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
+
+
+def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None) -> None:
+    if not state.scheduled_lrs:
+        state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
+    hooks.on_train_begin(state)
+    for epoch in range(state.epoch, state.epochs):
+        logs = _train_epoch(state, hooks, loss_fn, lr_schedule, epoch)
+        if val_loader is not None:
+            logs.update(_evaluate(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
+        state.history.append(epoch, logs)
+        hooks.on_epoch_end(epoch, logs, state)
+        if state.stop_training:
+            break
+    hooks.on_train_end(state)
+
+
+def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None,
+                 epoch: int) -> dict[str, float]:
+    state.model.train()
+    if state.epoch != epoch:
+        state.epoch, state.step = epoch, 0
+    state.loader.set_epoch(epoch)
+    metrics = state.metrics
+    if state.step == 0:  # a run resumed mid-epoch keeps the sums restored from its checkpoint
+        for metric in metrics:
+            metric.reset()
+    hooks.on_epoch_begin(epoch, state)
+    logs: dict[str, float] = {}
+    started, samples = time.perf_counter(), 0
+    for batch in state.loader:
+        _apply_schedule(state, lr_schedule)
+        hooks.on_step_begin(state.step, state)
+        _train_step(state, batch, loss_fn, metrics)
+        state.step, state.global_step = state.step + 1, state.global_step + 1
+        samples += state.loader.last_global_batch_size
+        if state.step % LOG_EVERY_STEPS == 0:
+            logs = reduce_metrics(metrics)
+        logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
+        hooks.on_step_end(state.step - 1, logs, state)
+        if state.stop_training:
+            break
+    state.epoch, state.step = epoch + 1, 0
+    return reduce_metrics(metrics)
+
+
+def _train_step(state: TrainState, batch: Any, loss_fn: Callable, metrics: list[Metric]) -> None:
+    inputs, targets = _split(batch)
+    state.optimizer.zero_grad(set_to_none=True)
+    if len(targets) == 0:
+        state.model.reduce_without_data()
+    else:
+        outputs = state.model(*inputs)
+        loss = loss_fn(outputs, targets)
+        loss.backward()
+        with torch.no_grad():
+            for metric in metrics:
+                metric.update(outputs.detach(), targets, loss.detach() * len(targets))
+    state.optimizer.step()
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, loss_fn: Callable, loader: Any, metrics: list[Metric], prefix: str) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    for metric in metrics:
+        metric.reset()
+    for batch in loader:
+        inputs, targets = _split(batch)
+        if len(targets):
+            outputs = model(*inputs)
+            for metric in metrics:
+                metric.update(outputs, targets, loss_fn(outputs, targets) * len(targets))
+    model.train(was_training)
+    return reduce_metrics(metrics, prefix)
+
+
+def _apply_schedule(state: TrainState, lr_schedule: Schedule | None) -> None:
+    if lr_schedule is not None:
+        rate = lr_schedule(state.fractional_epoch)
+        state.scheduled_lrs = [rate] * len(state.optimizer.param_groups)
+    for group, rate in zip(state.optimizer.param_groups, state.scheduled_lrs):
+        group["lr"] = rate
+
+
+def _wrap(model: nn.Module) -> DataParallel:
+    if isinstance(model, DataParallel):
+        return model
+    return DataParallel(model.to(runtime.device()))
+
+
+def _loader(data: Any, global_batch_size: int, seed: int, shuffle: bool) -> DistributedLoader:
+    if isinstance(data, DistributedLoader):
+        return data
+    return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed)
+
+
+def _split(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``(inputs..., targets)`` moved to this worker's device."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ConfigurationError(
+            "px.fit expects batches of (inputs..., targets); give a dataset whose items are (x, y) pairs."
+        )
+    device = runtime.device()
+    moved = [part.to(device, non_blocking=True) if isinstance(part, torch.Tensor) else part for part in batch]
+    return tuple(moved[:-1]), moved[-1]
+
+
+def _callbacks(lr_schedule: Schedule | None, user: Sequence[Any], verbose: int, global_batch_size: int,
+               checkpoint_dir: str | Path | None, checkpoint_every: int | None, log_dir: str | Path | None) -> list:
+    chosen: list[Any] = list(user)
+    if verbose:
+        chosen.append(cb.ProgressBar(global_batch_size))
+    log_dir = log_dir or checkpoint_dir
+    if log_dir is not None:
+        chosen.append(cb.CSVLogger(Path(log_dir) / "metrics.csv"))
+        if cb.TensorBoard.available():
+            chosen.append(cb.TensorBoard(Path(log_dir) / "tensorboard"))
+    if checkpoint_dir is not None and not any(isinstance(c, cb.Checkpoint) for c in user):
+        chosen.append(cb.Checkpoint(checkpoint_dir, every_steps=checkpoint_every))
+    return chosen

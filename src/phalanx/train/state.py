@@ -1,0 +1,68 @@
+"""What the fit loop knows at any moment, shared with callbacks, and the per-epoch history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class History:
+    """Per-epoch logs, identical on every rank: ``history["val_accuracy"][-1]``."""
+
+    def __init__(self, records: dict[str, list[float]] | None = None, epochs: list[int] | None = None):
+        self.history: dict[str, list[float]] = {k: list(v) for k, v in (records or {}).items()}
+        self.epochs: list[int] = list(epochs or [])
+
+    def append(self, epoch: int, logs: dict[str, float]) -> None:
+        self.epochs.append(epoch)
+        for key, value in logs.items():
+            self.history.setdefault(key, []).append(float(value))
+
+    def __getitem__(self, key: str) -> list[float]:
+        return self.history[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.history
+
+    def last(self) -> dict[str, float]:
+        """The logs of the latest epoch."""
+        return {key: values[-1] for key, values in self.history.items() if values}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": self.history, "epochs": self.epochs}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "History":
+        return cls(state["records"], state["epochs"])
+
+    def __repr__(self) -> str:
+        return f"History(epochs={self.epochs}, last={self.last()})"
+
+
+@dataclass
+class TrainState:
+    """The loop's position and objects. ``step`` counts completed steps in the current epoch."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    loader: Any
+    epochs: int
+    epoch: int = 0
+    step: int = 0
+    global_step: int = 0
+    history: History = field(default_factory=History)
+    scheduled_lrs: list[float] = field(default_factory=list)
+    stop_training: bool = False
+    seed: int = 0
+    metrics: list = field(default_factory=list)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.loader)
+
+    @property
+    def fractional_epoch(self) -> float:
+        """``epoch + step / steps_per_epoch``: the clock learning-rate schedules run on."""
+        return self.epoch + self.step / max(self.steps_per_epoch, 1)

@@ -1,0 +1,138 @@
+"""px.fit trains exactly like a single-process loop over the same samples, at any world size."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx as px
+from phalanx.data import epoch_plan
+from tests.harness import run_workers
+
+SAMPLES, GLOBAL_BATCH, EPOCHS = 140, 30, 4  # 5 steps an epoch, the last of 20 samples: 20 steps
+
+
+def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 10, generator=generator)
+    return x, (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+
+def _fit_everywhere() -> dict:
+    model = _model()
+    history = px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=EPOCHS,
+                     global_batch_size=GLOBAL_BATCH, val_data=_dataset(), metrics=["accuracy"], verbose=0)
+    return {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "history": history.history}
+
+
+def _serial_reference() -> tuple[dict, list[float]]:
+    model, (x, y) = _model(), _dataset()
+    optimizer = _optimizer(model)
+    epoch_losses = []
+    for epoch in range(EPOCHS):
+        total = 0.0
+        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x[indices]), y[indices])
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(indices)
+        epoch_losses.append(total / SAMPLES)
+    return model.state_dict(), epoch_losses
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fit_matches_a_serial_loop_over_the_same_samples(world_size: int) -> None:
+    results = run_workers(_fit_everywhere, world_size, timeout=150)
+    reference, losses = _serial_reference()
+    for rank, result in enumerate(results):
+        for name, value in reference.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        assert result["history"] == results[0]["history"], "history differs between ranks"
+    history = results[0]["history"]
+    torch.testing.assert_close(torch.tensor(history["loss"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    assert set(history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history["val_accuracy"][-1] > 0.6
+
+
+_KILLABLE_SCRIPT = textwrap.dedent('''
+    import sys, torch, torch.nn.functional as F
+    from torch import nn
+    import phalanx as px
+
+    class Announce:
+        def on_step_end(self, step, logs, state):
+            if px.is_master():
+                print(f"global step {state.global_step} done", flush=True)
+
+    torch.set_num_threads(1)
+    px.init()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 6, generator=g); y = (x.sum(1) > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=3, global_batch_size=24, verbose=0,
+           checkpoint_dir=sys.argv[1], checkpoint_every=3, callbacks=[Announce()],
+           lr_schedule=px.lr.warmup(0.01, epochs=1))
+    if px.is_master():
+        torch.save(model.state_dict(), sys.argv[2])
+''')
+
+
+def _launch(script: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "2", "--no-prefix", str(script), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(process: subprocess.Popen) -> str:
+    try:
+        output, _ = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    assert process.returncode == 0, output
+    return output
+
+
+def test_a_killed_job_resumes_from_its_checkpoint_and_ends_where_an_uninterrupted_run_does(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_KILLABLE_SCRIPT)
+    _finish(_launch(script, str(tmp_path / "uninterrupted"), str(tmp_path / "reference.pt")))
+
+    victim = _launch(script, str(tmp_path / "run"), str(tmp_path / "resumed.pt"))
+    deadline = time.monotonic() + 90
+    for line in victim.stdout:  # type: ignore[union-attr]
+        if "global step 13 done" in line or time.monotonic() > deadline:
+            break
+    os.killpg(victim.pid, signal.SIGKILL)  # the launcher; its workers die with it
+    victim.wait(timeout=30)
+    assert not (tmp_path / "resumed.pt").exists()
+    assert px.train.checkpoint_io.list_checkpoints(tmp_path / "run"), "no checkpoint was written before the kill"
+
+    output = _finish(_launch(script, str(tmp_path / "run"), str(tmp_path / "resumed.pt")))
+    assert "global step 1 done" not in output.splitlines()[0:1]
+    reference = torch.load(tmp_path / "reference.pt")
+    resumed = torch.load(tmp_path / "resumed.pt")
+    for name, value in reference.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
