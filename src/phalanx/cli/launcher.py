@@ -138,7 +138,8 @@ class LaunchConfig:
         variables = {key: str(value) for key, value in layout.items()}
         variables.update({f"PHALANX_{key}": value for key, value in variables.items()})
         variables.update(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
-                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
+                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
+                         PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0")
         if self.timeout_s is not None:
             variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
         return variables

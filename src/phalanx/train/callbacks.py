@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -108,7 +110,11 @@ class Checkpoint(Callback):
 
 
 class ProgressBar(Callback):
-    """A progress bar on rank 0 with loss, samples/s and ETA (tqdm when installed)."""
+    """A progress bar on rank 0 with loss, samples/s and ETA, and a summary line per epoch.
+
+    The bar (tqdm) is drawn only on an interactive terminal (``phalanx run`` tells workers whether
+    its own output is one); logs and pipes get the summary lines alone.
+    """
 
     def __init__(self, global_batch_size: int):
         self.global_batch_size = global_batch_size
@@ -122,6 +128,8 @@ class ProgressBar(Callback):
         try:
             from tqdm.auto import tqdm
         except ImportError:
+            return
+        if not _interactive():
             return
         self._bar = tqdm(total=state.steps_per_epoch, initial=state.step, desc=f"epoch {epoch + 1}/{state.epochs}",
                          unit="step", dynamic_ncols=True, leave=True)
@@ -140,6 +148,11 @@ class ProgressBar(Callback):
             self._bar = None
         shown = "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
         print(f"epoch {epoch + 1}/{state.epochs}  {shown}  ({time.perf_counter() - self._started:.1f}s)", flush=True)
+
+
+def _interactive() -> bool:
+    launched = os.environ.get("PHALANX_INTERACTIVE")
+    return launched == "1" if launched is not None else sys.stdout.isatty()
 
 
 class CSVLogger(Callback):

@@ -97,7 +97,7 @@ def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
         _train_step(state, batch, loss_fn, metrics)
         state.step, state.global_step = state.step + 1, state.global_step + 1
         samples += state.loader.last_global_batch_size
-        if state.step % LOG_EVERY_STEPS == 0:
+        if state.step % LOG_EVERY_STEPS == 0 or not logs:
             logs = reduce_metrics(metrics)
         logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
         hooks.on_step_end(state.step - 1, logs, state)
