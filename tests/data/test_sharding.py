@@ -77,3 +77,20 @@ def test_invalid_arguments_raise_configuration_error() -> None:
                 lambda: num_steps(4, 0), lambda: epoch_plan(4, 2, seed=0, epoch=0, start=5)):
         with pytest.raises(ConfigurationError):
             bad()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_micro_batch_granularity_gives_whole_micro_batches_in_order(world_size: int) -> None:
+    for batch_len in (24, 10, 7):
+        bounds = [share_bounds(batch_len, world_size, r, granularity=2) for r in range(world_size)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == batch_len
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert all(start % 2 == 0 for start, stop in bounds if stop > start)  # on micro-batch boundaries
+
+
+def test_loader_refuses_fewer_micro_batches_than_workers() -> None:
+    from phalanx.data import DistributedLoader
+    from phalanx.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="fewer than the 4 workers"):
+        DistributedLoader(torch.zeros(10), 6, micro_batch_size=2, rank=0, world_size=4)

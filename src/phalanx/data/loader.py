@@ -59,6 +59,9 @@ class DistributedLoader:
     ``global_batch_size`` items; ``shuffle`` uses a seeded buffer of ``shuffle_buffer`` items,
     by default four global batches, identical on every rank).
 
+    ``micro_batch_size`` makes shares whole virtual micro-batches of that many samples (the
+    reproducible mode's unit of work), so how a global batch is cut never depends on the world size.
+
     ``rank``/``world_size`` default to the phalanx runtime's, or 0/1 when it is not running.
     Only one iteration of a loader may be active at a time: starting a new one stops the old.
     """
@@ -77,8 +80,10 @@ class DistributedLoader:
         rank: int | None = None,
         world_size: int | None = None,
         shuffle_buffer: int | None = None,
+        micro_batch_size: int | None = None,
     ):
         self.rank, self.world_size = _resolve_rank(rank, world_size)
+        self.granularity = _granularity(micro_batch_size, global_batch_size, self.world_size)
         validate_global_batch_size(global_batch_size, self.world_size)
         _check_options(seed, num_workers, prefetch, collate_fn)
         self.dataset = dataset
@@ -219,13 +224,13 @@ class DistributedLoader:
     def _local_steps(self, plan: list[torch.Tensor]) -> Iterator[_Step]:
         """Fetch each share in this process."""
         for k, global_batch in enumerate(plan):
-            share = local_share(global_batch, self.world_size, self.rank)
+            share = local_share(global_batch, self.world_size, self.rank, self.granularity)
             batch = self._data.fetch(share) if len(share) else self._data.empty(int(global_batch[0]))
             yield _Step(batch, len(global_batch), len(share), k == len(plan) - 1)
 
     def _worker_steps(self, plan: list[torch.Tensor], epoch: int) -> Iterator[_Step]:
         """Fetch each non-empty share in DataLoader worker processes, in order."""
-        shares = [local_share(global_batch, self.world_size, self.rank) for global_batch in plan]
+        shares = [local_share(global_batch, self.world_size, self.rank, self.granularity) for global_batch in plan]
         batches = iter(self._worker_loader([s for s in shares if len(s)], epoch))
         for k, (global_batch, share) in enumerate(zip(plan, shares)):
             batch = next(batches) if len(share) else self._data.empty(int(global_batch[0]))
@@ -251,7 +256,7 @@ class DistributedLoader:
             items = shuffle_buffer(items, self.shuffle_buffer, epoch_seed(self.seed, epoch))
         items = itertools.islice(items, skip, None)
         for chunk, last in mark_last(chunked(items, self.global_batch_size, self.drop_last)):
-            start, stop = share_bounds(len(chunk), self.world_size, self.rank)
+            start, stop = share_bounds(len(chunk), self.world_size, self.rank, self.granularity)
             if stop > start:
                 batch = self.collate_fn(chunk[start:stop])
             else:
@@ -372,6 +377,21 @@ def _shuffle_buffer_size(size: int | None, global_batch_size: int) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ConfigurationError(f"shuffle_buffer={size!r} must be an integer >= 1 (or None for the default).")
     return size
+
+
+def _granularity(micro_batch_size: int | None, global_batch_size: int, world_size: int) -> int:
+    """Samples per unit of a share: 1, or the virtual micro-batch size."""
+    if micro_batch_size is None:
+        return 1
+    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ConfigurationError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}.")
+    if -(-global_batch_size // micro_batch_size) < world_size:
+        raise ConfigurationError(
+            f"global_batch_size={global_batch_size} holds {-(-global_batch_size // micro_batch_size)} micro-batches "
+            f"of {micro_batch_size}, fewer than the {world_size} workers; use a smaller micro_batch_size "
+            "or fewer workers."
+        )
+    return micro_batch_size
 
 
 def _check_workers(data: TensorData | MapData | None, num_workers: int) -> None:

@@ -103,24 +103,27 @@ def epoch_plan(
     return list(rest.split(global_batch_size))
 
 
-def share_bounds(batch_len: int, world_size: int, rank: int) -> tuple[int, int]:
+def share_bounds(batch_len: int, world_size: int, rank: int, granularity: int = 1) -> tuple[int, int]:
     """The ``[start, stop)`` slice of a global batch of ``batch_len`` samples that ``rank`` takes.
 
-    Rank ``r`` gets ``batch_len // world_size`` samples, plus one if ``r < batch_len % world_size``,
-    as a contiguous range in rank order. Contiguity lets later layers cut each share into
-    fixed-size micro-batches without reordering.
+    The batch is cut into ``ceil(batch_len / granularity)`` units (samples by default, virtual
+    micro-batches in reproducible mode; the last unit may be short). Rank ``r`` gets
+    ``units // world_size`` of them, plus one if ``r < units % world_size``, as a contiguous range
+    in rank order. Contiguity lets later layers cut each share into micro-batches in place.
     """
     _check_non_negative("batch_len", batch_len)
+    _check_positive("granularity", granularity)
     validate_rank(world_size, rank)
-    base, extra = divmod(batch_len, world_size)
+    units = -(-batch_len // granularity)
+    base, extra = divmod(units, world_size)
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
-    return start, stop
+    return min(start * granularity, batch_len), min(stop * granularity, batch_len)
 
 
-def local_share(global_batch: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+def local_share(global_batch: torch.Tensor, world_size: int, rank: int, granularity: int = 1) -> torch.Tensor:
     """The indices of ``global_batch`` that ``rank`` processes (a contiguous view, maybe empty)."""
-    start, stop = share_bounds(len(global_batch), world_size, rank)
+    start, stop = share_bounds(len(global_batch), world_size, rank, granularity)
     return global_batch[start:stop]
 
 

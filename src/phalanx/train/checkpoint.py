@@ -40,6 +40,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3, extra: dict[st
         "history": state.history.state_dict(),
         "scheduled_lrs": list(state.scheduled_lrs),
         "running_metrics": running,
+        "exact": state.exact.state_dict() if state.exact is not None else None,
         "world_size": runtime.size(),
         **(extra or {}),
     }
@@ -60,6 +61,8 @@ def restore(state: TrainState, directory: str | Path, weights_only: bool = True)
     state.history = History.from_state_dict(payload["history"])
     state.scheduled_lrs = list(payload["scheduled_lrs"])
     _restore_running_metrics(state, payload["running_metrics"])
+    if state.exact is not None and payload["exact"] is not None:
+        state.exact.load_state_dict(payload["exact"])
     _restore_rng(payload, state)
     return payload
 

@@ -13,6 +13,7 @@ from phalanx.comm import runtime
 from phalanx.data import DistributedLoader, mix_seed
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks as cb, checkpoint
 from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
@@ -35,19 +36,18 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
     targets)``. With ``checkpoint_dir`` a checkpoint is written every epoch (and every
     ``checkpoint_every`` steps), and ``resume=True`` continues from the newest readable one.
+    ``reproducible=True`` with ``micro_batch_size=m`` makes the trained weights bitwise identical
+    for any number of workers (see :mod:`phalanx.parallel.exact` and docs/reproducibility.md).
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
     """
     runtime.init()
-    if reproducible:
-        raise NotImplementedError(
-            "reproducible=True (bitwise-identical weights for any worker count) is not available yet; "
-            "run with reproducible=False."
-        )
+    micro = _micro_batch_size(reproducible, micro_batch_size)
     torch.manual_seed(mix_seed(seed, runtime.rank()))
     model = _wrap(model)
-    loader = _loader(train_data, global_batch_size, seed, shuffle=True)
+    loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
     val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
-    state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics))
+    state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
+                       exact=ExactGradients(model, micro, seed) if micro else None)
     hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
                                        checkpoint_every, log_dir))
     if resume and checkpoint_dir is not None:
@@ -69,6 +69,8 @@ def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
     hooks.on_train_begin(state)
     for epoch in range(state.epoch, state.epochs):
         logs = _train_epoch(state, hooks, loss_fn, lr_schedule, epoch)
+        if logs is None:  # stopped mid-epoch: the position stays resumable
+            break
         if val_loader is not None:
             logs.update(_evaluate(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
         state.history.append(epoch, logs)
@@ -79,7 +81,7 @@ def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
 
 
 def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None,
-                 epoch: int) -> dict[str, float]:
+                 epoch: int) -> dict[str, float] | None:
     state.model.train()
     if state.epoch != epoch:
         state.epoch, state.step = epoch, 0
@@ -101,8 +103,8 @@ def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
             logs = reduce_metrics(metrics)
         logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
         hooks.on_step_end(state.step - 1, logs, state)
-        if state.stop_training:
-            break
+        if state.stop_training and state.step < state.steps_per_epoch:
+            return None
     state.epoch, state.step = epoch + 1, 0
     return reduce_metrics(metrics)
 
@@ -110,7 +112,12 @@ def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
 def _train_step(state: TrainState, batch: Any, loss_fn: Callable, metrics: list[Metric]) -> None:
     inputs, targets = _split(batch)
     state.optimizer.zero_grad(set_to_none=True)
-    if len(targets) == 0:
+    if state.exact is not None:
+        for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
+                                                                 state.loader.last_global_batch_size):
+            for metric in metrics:
+                metric.update(outputs, micro_targets, loss * len(micro_targets))
+    elif len(targets) == 0:
         state.model.reduce_without_data()
     else:
         outputs = state.model(*inputs)
@@ -152,10 +159,28 @@ def _wrap(model: nn.Module) -> DataParallel:
     return DataParallel(model.to(runtime.device()))
 
 
-def _loader(data: Any, global_batch_size: int, seed: int, shuffle: bool) -> DistributedLoader:
-    if isinstance(data, DistributedLoader):
-        return data
-    return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed)
+def _micro_batch_size(reproducible: bool, micro_batch_size: int | None) -> int | None:
+    if not reproducible:
+        return None
+    if micro_batch_size is None:
+        raise ConfigurationError(
+            "reproducible=True needs micro_batch_size: the fixed number of samples every kernel call sees, "
+            "whatever the number of workers (for example 2 or 8; the global batch must hold at least one "
+            "micro-batch per worker)."
+        )
+    return micro_batch_size
+
+
+def _loader(data: Any, global_batch_size: int, seed: int, shuffle: bool,
+            micro_batch_size: int | None = None) -> DistributedLoader:
+    if not isinstance(data, DistributedLoader):
+        return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed, micro_batch_size=micro_batch_size)
+    if micro_batch_size is not None and data.granularity != micro_batch_size:
+        raise ConfigurationError(
+            f"reproducible mode with micro_batch_size={micro_batch_size} needs a DistributedLoader built with "
+            f"micro_batch_size={micro_batch_size}."
+        )
+    return data
 
 
 def _split(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:

@@ -57,6 +57,7 @@ class TrainState:
     stop_training: bool = False
     seed: int = 0
     metrics: list = field(default_factory=list)
+    exact: Any = None
 
     @property
     def steps_per_epoch(self) -> int:

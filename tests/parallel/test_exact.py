@@ -1,0 +1,82 @@
+"""reproducible=True: trained weights are bitwise identical for 1, 2, 3 and 4 workers."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx as px
+from tests.harness import run_workers
+
+SAMPLES, GLOBAL_BATCH, MICRO, EPOCHS = 130, 24, 2, 4  # 6 steps an epoch (the last of 10): 24 steps
+
+
+def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
+    return x, (x.mean(dim=(1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 0.5).long()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                         nn.Dropout(0.3), nn.Linear(8 * 4 * 4, 3))
+
+
+class _StopAt:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, step: int, logs: dict, state) -> None:
+        if state.global_step == self.step:
+            state.stop_training = True
+
+
+def _train(checkpoint_dir: str | None = None, stop_at: int | None = None) -> str:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    px.fit(model, optimizer, F.cross_entropy, _dataset(), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
+           reproducible=True, micro_batch_size=MICRO, verbose=0, checkpoint_dir=checkpoint_dir,
+           checkpoint_every=10 if checkpoint_dir else None, callbacks=[_StopAt(stop_at)] if stop_at else [],
+           metrics=["accuracy"])
+    return _digest(model.state_dict())
+
+
+def _digest(state: dict) -> str:
+    hasher = hashlib.sha256()
+    for name, tensor in state.items():
+        hasher.update(name.encode())
+        hasher.update(tensor.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def single_worker_digest() -> str:
+    return run_workers(_train, 1, timeout=120)[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_weights_are_bitwise_identical_for_any_worker_count(world_size: int, single_worker_digest: str) -> None:
+    digests = run_workers(_train, world_size, timeout=180)
+    assert digests == [single_worker_digest] * world_size
+
+
+def test_a_run_stopped_at_step_10_resumes_bitwise_at_another_worker_count(tmp_path: Path,
+                                                                       single_worker_digest: str) -> None:
+    run_workers(_train, 2, str(tmp_path), 10, timeout=120)
+    assert px.train.checkpoint_io.list_checkpoints(tmp_path)[0].name.endswith("000000010.pt")
+    digests = run_workers(_train, 3, str(tmp_path), timeout=180)
+    assert digests == [single_worker_digest] * 3
+
+
+def test_reproducible_mode_needs_a_micro_batch_size() -> None:
+    model = _model()
+    with pytest.raises(px.ConfigurationError, match="micro_batch_size"):
+        px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(), epochs=1,
+               global_batch_size=GLOBAL_BATCH, reproducible=True, verbose=0)
