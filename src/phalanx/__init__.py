@@ -34,6 +34,7 @@ from phalanx import data
 from phalanx.parallel.batchnorm import SyncBatchNorm
 from phalanx.parallel.compression import TopK
 from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks, lr, metrics
 from phalanx.train.fit import evaluate, fit
 from phalanx.train.lr import scale_lr
@@ -53,7 +54,7 @@ from phalanx.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "History", "SyncBatchNorm", "TopK", "callbacks", "data", "evaluate", "fit", "lr",
+    "DataParallel", "ExactGradients", "History", "SyncBatchNorm", "TopK", "callbacks", "data", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
