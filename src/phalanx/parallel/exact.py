@@ -225,8 +225,8 @@ class _RunningStatsFolding:
         if self._recording and layer.training:
             x = args[0].detach()
             dims = [0] + list(range(2, x.dim()))
-            var, mean = torch.var_mean(x.double(), dim=dims, correction=1 if x.numel() > x.shape[1] else 0)
-            self._current[self._index[id(layer)]] = torch.cat([mean, var])
+            var, mean = torch.var_mean(x, dim=dims, correction=1 if x.numel() > x.shape[1] else 0)
+            self._current[self._index[id(layer)]] = torch.cat([mean, var]).double()
 
     def fold(self) -> None:
         """Gather every micro-batch's statistics and fold them in, in global index order."""
