@@ -277,7 +277,8 @@ def test_worker_environment() -> None:
                 "PHALANX_LOCAL_RANK": "1", "LOCAL_RANK": "1", "PHALANX_LOCAL_WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "PHALANX_NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "1234", "PHALANX_STORE_HOSTED": "1", "PYTHONUNBUFFERED": "1",
-                "PHALANX_TIMEOUT": "30", "OMP_NUM_THREADS": "4", "HOME": "/h"}
+                "PHALANX_TIMEOUT": "30", "OMP_NUM_THREADS": "4", "HOME": "/h",
+                    "PHALANX_INTERACTIVE": "1" if sys.stdout.isatty() else "0"}
     assert env == expected
     assert spec.command == (sys.executable, "t.py")
     assert LaunchConfig(target="t.py").worker_specs(1)[0].environment({})["OMP_NUM_THREADS"] == "1"
