@@ -80,3 +80,21 @@ def test_reproducible_mode_needs_a_micro_batch_size() -> None:
     with pytest.raises(px.ConfigurationError, match="micro_batch_size"):
         px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(), epochs=1,
                global_batch_size=GLOBAL_BATCH, reproducible=True, verbose=0)
+
+
+def _custom_loop() -> str:
+    model = px.DataParallel(_model())
+    exact = px.ExactGradients(model, micro_batch_size=MICRO, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = px.data.DistributedLoader(_dataset(), GLOBAL_BATCH, micro_batch_size=MICRO, seed=0)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            exact.backward(F.cross_entropy, (inputs,), targets, loader.last_global_batch_size)
+            optimizer.step()
+    return _digest(model.state_dict())
+
+
+def test_the_documented_custom_loop_is_bitwise_reproducible_too() -> None:
+    assert run_workers(_custom_loop, 3, timeout=120) == run_workers(_custom_loop, 1, timeout=120) * 3
