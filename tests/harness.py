@@ -21,6 +21,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+# Fork: children start in milliseconds with torch already imported. The parent forks before it
+# starts any thread of its own (the rendezvous store is created afterwards), so no child can
+# inherit a lock held by a thread that does not exist in it.
 _CONTEXT = multiprocessing.get_context("fork")
 
 
@@ -36,17 +39,20 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     With ``expect_failure=True`` an exception on a rank is returned (as its formatted traceback
     string) instead of failing the test, so tests can assert on the errors every rank saw.
     """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
     logs = [tempfile.NamedTemporaryFile(prefix=f"phalanx-rank{r}-", suffix=".log", delete=False).name
             for r in range(world_size)]
     results: Any = _CONTEXT.Queue()
+    ports: Any = _CONTEXT.Queue()
     worker_env = {"PHALANX_TIMEOUT": str(collective_timeout), **(env or {})}
-    procs = [_CONTEXT.Process(target=_worker, args=(fn, args, rank, world_size, store.port, worker_env,
+    procs = [_CONTEXT.Process(target=_worker, args=(fn, args, rank, world_size, ports, worker_env,
                                                      results, logs[rank]), daemon=True)
              for rank in range(world_size)]
-    for proc in procs:
+    for proc in procs:  # fork before any thread exists here: the store below runs one
         proc.start()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    for _ in procs:
+        ports.put(store.port)
     try:
         return _collect(procs, results, logs, timeout, expect_failure)
     finally:
@@ -98,9 +104,10 @@ def _kill(procs: list) -> None:
         proc.join(timeout=5)
 
 
-def _worker(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, port: int,
+def _worker(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, ports: Any,
             env: dict[str, str], results: Any, log: str) -> None:
     _redirect_output(log)
+    port = ports.get(timeout=60)
     os.environ.update(env)
     os.environ.update({
         "PHALANX_RANK": str(rank), "PHALANX_WORLD_SIZE": str(world_size), "PHALANX_LOCAL_RANK": str(rank),
