@@ -5,9 +5,11 @@ outlives every worker, rank 0 included. Each worker runs in its own session (pro
 killed by the kernel if the launcher dies (``PR_SET_PDEATHSIG`` on Linux), and is stopped as a
 whole group: SIGTERM first, SIGKILL after a grace period. No worker outlives the launcher.
 
-The pieces are small on purpose, so that multi-host launches (``nnodes``/``node_rank`` in
-:class:`LaunchConfig`) and elastic restarts (a policy overriding :meth:`Supervisor.on_worker_exit`)
-can be added without a rewrite. This module imports nothing from phalanx's training layers.
+Multi-host jobs run one launcher per host (``--nnodes M --node-rank I``): node 0's hosts the
+store, the others connect to it, and the launchers tell each other through the store when one
+of them saw a worker fail (see :class:`JobBoard`), so every host stops its workers. Elastic jobs
+(``--min-workers``, ``--nnodes MIN:MAX``) use :class:`phalanx.cli.elastic.ElasticSupervisor`,
+which overrides the exit policy. This module imports nothing from phalanx's training layers.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import collections
 import contextlib
 import ctypes
 import datetime
+import errno
 import importlib.util
+import ipaddress
+import json
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,8 +39,10 @@ from phalanx.errors import ConfigurationError
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_GRACE_S = 5.0
 DEFAULT_STORE_TIMEOUT_S = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 STDERR_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.1
+BOARD_POLL_S = 0.25
 OUTPUT_DRAIN_S = 3.0
 MAX_PENDING_LINE = 1 << 16
 _PR_SET_PDEATHSIG = 1
@@ -77,8 +85,10 @@ class WorkerSpec:
 class LaunchConfig:
     """What ``phalanx run`` was asked to do. Validated by :meth:`validate` before anything starts.
 
-    ``nnodes`` and ``node_rank`` describe a multi-host job; today the CLI launches one host, but
-    ranks, world size and store hosting are already computed from them.
+    ``nnodes`` and ``node_rank`` describe a multi-host job: one launcher per host, each starting
+    ``nproc_per_node`` workers. The job is *elastic* when ``min_workers`` or ``max_nnodes`` is set
+    (``--min-workers K``, ``--nnodes MIN:MAX``): it survives lost workers while at least
+    ``min_workers`` remain, and admits workers started later, up to ``nproc_per_node * max_nnodes``.
     """
 
     target: str
@@ -92,11 +102,35 @@ class LaunchConfig:
     timeout_s: float | None = None
     grace_s: float = DEFAULT_GRACE_S
     prefix_output: bool = True
+    max_nnodes: int | None = None
+    min_workers: int | None = None
+    heartbeat_timeout_s: float | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether lost workers are survived and new ones admitted (``--min-workers``, ``--nnodes MIN:MAX``)."""
+        return self.min_workers is not None or self.max_nnodes is not None
+
+    @property
+    def max_nodes(self) -> int:
+        return self.max_nnodes if self.max_nnodes is not None else self.nnodes
 
     @property
     def world_size(self) -> int:
-        """The number of workers in the whole job, over all hosts."""
-        return self.nproc_per_node * self.nnodes
+        """The number of workers in the whole job, over all hosts (elastic: at most)."""
+        return self.nproc_per_node * self.max_nodes
+
+    @property
+    def min_world_size(self) -> int:
+        """The fewest workers an elastic job goes on with."""
+        return self.min_workers if self.min_workers is not None else self.nproc_per_node * self.nnodes
+
+    @property
+    def effective_heartbeat_timeout_s(self) -> float:
+        """How long an elastic worker may stay silent before it is declared dead and killed."""
+        if self.heartbeat_timeout_s is not None:
+            return self.heartbeat_timeout_s
+        return min(0.5 * (self.timeout_s or DEFAULT_STORE_TIMEOUT_S), DEFAULT_HEARTBEAT_TIMEOUT_S)
 
     @property
     def hosts_store(self) -> bool:
@@ -142,6 +176,12 @@ class LaunchConfig:
                          PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0")
         if self.timeout_s is not None:
             variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
+        if self.elastic:
+            variables["PHALANX_ELASTIC"] = "1"
+        if not is_loopback(self.master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = interface_towards(self.master_addr)
+            if interface:  # Gloo would otherwise pick the address the host name resolves to
+                variables["GLOO_SOCKET_IFNAME"] = interface
         return variables
 
     def _validate_counts(self) -> None:
@@ -150,10 +190,22 @@ class LaunchConfig:
                 f"-n must be at least 1, got {self.nproc_per_node}: pass how many worker processes "
                 "to start, for example `phalanx run -n 4 train.py`."
             )
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.nnodes < 1 or self.max_nodes < self.nnodes:
             raise ConfigurationError(
-                f"node rank {self.node_rank} is not within {self.nnodes} nodes: "
+                f"--nnodes {self.nnodes}:{self.max_nodes} is not a valid range: pass N, or MIN:MAX with 1 <= MIN <= MAX."
+            )
+        if not 0 <= self.node_rank < self.max_nodes:
+            raise ConfigurationError(
+                f"node rank {self.node_rank} is not within {self.max_nodes} nodes: "
                 "pass a node rank from 0 to nnodes - 1."
+            )
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.world_size:
+            raise ConfigurationError(
+                f"--min-workers must be between 1 and the job's {self.world_size} workers, got {self.min_workers}."
+            )
+        if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= 0:
+            raise ConfigurationError(
+                f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout_s:g}."
             )
         if self.grace_s < 0:
             raise ConfigurationError(f"--grace must be 0 or more seconds, got {self.grace_s:g}.")
@@ -167,6 +219,11 @@ class LaunchConfig:
             )
         if not self.master_addr:
             raise ConfigurationError("--master-addr is empty: pass the address of the host running node 0.")
+        if self.max_nodes > 1 and self.master_port == 0:
+            raise ConfigurationError(
+                "a multi-host launch needs --master-port: every host's launcher must be told the port of "
+                "node 0's rendezvous store, for example --master-port 29500."
+            )
 
     def _validate_target(self) -> None:
         if not self.target:
@@ -250,6 +307,7 @@ class LaunchResult:
     failure: WorkerFailure | None = None
     stop_signal: int | None = None
     workers_stopped: int = 0
+    message: str | None = None
 
     def describe(self) -> str | None:
         """A message for the launcher's stderr, or None when every worker succeeded."""
@@ -258,7 +316,7 @@ class LaunchResult:
         if self.stop_signal is not None:
             return (f"phalanx run: received {signal.Signals(self.stop_signal).name}; "
                     f"stopped {self.workers_stopped} running worker(s).")
-        return None
+        return self.message
 
 
 def exit_code_of(returncode: int) -> int:
@@ -463,9 +521,12 @@ class Supervisor:
         self.relay = OutputRelay(stdout or sys.stdout, stderr or sys.stderr, config.prefix_output)
         self.workers: list[Worker] = []
         self.store: Any = None
+        self.board: JobBoard | None = None
         self._exits: queue.Queue[Worker] = queue.Queue()
         self._stop_signals: list[int] = []
         self._terminated = False
+        self._aborting = False
+        self._next_board_poll = 0.0
 
     def run(self) -> LaunchResult:
         """Launch, supervise to the end, and say how it ended. Never leaves a worker running."""
@@ -475,6 +536,7 @@ class Supervisor:
                 result = self.watch()
             finally:
                 self.terminate_all()
+                self.leave_job()
         return result
 
     def start_workers(self, master_port: int) -> None:
@@ -497,10 +559,39 @@ class Supervisor:
             try:
                 worker = self._exits.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
+                result = self.on_tick()
+                if result is not None:
+                    return result
                 continue
             result = self.on_worker_exit(worker)
             if result is not None:
                 return result
+
+    def on_tick(self) -> LaunchResult | None:
+        """Called between exits: in a multi-host job, stop when another host's worker failed."""
+        if self.board is None or time.monotonic() < self._next_board_poll:
+            return None
+        self._next_board_poll = time.monotonic() + BOARD_POLL_S
+        failure = self.board.failure()
+        if failure is None:
+            return None
+        running = sum(w.running for w in self.workers)
+        self._aborting = True
+        self.terminate_all()
+        return LaunchResult(exit_code=int(failure.get("exit_code", 1)), message=(
+            f"phalanx run: worker rank {failure.get('rank')} on node {failure.get('node')} failed with "
+            f"{describe_exit(int(failure.get('exit_code', 1)))}; stopped the {running} running worker(s) here. "
+            "Its launcher's output names the cause."))
+
+    def leave_job(self) -> None:
+        """Multi-host: tell the other launchers this one is done; node 0 keeps the store up until all are."""
+        if self.board is None:
+            return
+        with contextlib.suppress(RuntimeError, OSError):
+            self.board.leave()
+        if self.config.hosts_store:
+            limit = self.config.grace_s + 10.0 if self._aborting else (self.config.timeout_s or DEFAULT_STORE_TIMEOUT_S)
+            self.board.wait_for_others(time.monotonic() + limit, lambda: bool(self._stop_signals))
 
     def on_worker_exit(self, worker: Worker) -> LaunchResult | None:
         """The policy: the first failure ends the launch; success once every worker exited with 0."""
@@ -541,6 +632,10 @@ class Supervisor:
 
     def _failed(self, worker: Worker) -> LaunchResult:
         others = sum(w.running for w in self.workers)
+        if self.board is not None:  # the other hosts stop their workers too
+            self._aborting = True
+            with contextlib.suppress(RuntimeError, OSError):
+                self.board.post_failure(self.config.node_rank, worker.rank, worker.exit_code or 1)
         self.terminate_all()  # the tail is complete only once the worker's stderr reached EOF
         assert worker.exit_code is not None
         failure = WorkerFailure(worker.rank, worker.pid, worker.exit_code, tuple(worker.stderr_tail), others)
@@ -553,14 +648,23 @@ class Supervisor:
 
     @contextlib.contextmanager
     def _rendezvous(self) -> Iterator[int]:
-        """Host the store for the job's lifetime (node 0), and yield the port the workers meet on."""
-        if not self.config.hosts_store:
-            yield self.config.master_port
-            return
-        self.store = host_store(self.config.master_addr, self.config.master_port, self.config.timeout_s)
+        """Host the store for the job's lifetime (node 0), and yield the port the workers meet on.
+
+        Other hosts' launchers connect to node 0's store when they need to talk to the others
+        (multi-host or elastic jobs).
+        """
+        config = self.config
+        if config.hosts_store:
+            self.store = host_store(config.master_addr, config.master_port, config.timeout_s)
+        elif config.max_nodes > 1 or config.elastic:
+            self.store = connect_store(config.master_addr, config.master_port, config.timeout_s)
+        if self.store is not None and (config.max_nodes > 1 or config.elastic):
+            self.board = JobBoard(self.store)
+            self.board.join()
         try:
-            yield self.store.port
+            yield self.store.port if config.hosts_store else config.master_port
         finally:
+            self.board = None
             self.store = None
 
     @contextlib.contextmanager
@@ -591,13 +695,20 @@ def _stop_signals() -> list[int]:
 
 
 def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> Any:
-    """Start the rendezvous ``TCPStore`` server in this process; port 0 picks a free port."""
+    """Start the rendezvous ``TCPStore`` server in this process; port 0 picks a free port.
+
+    It listens only on ``master_addr`` when that is an address of this host (so the default,
+    127.0.0.1, keeps the store on loopback), and on every interface otherwise.
+    """
     import torch.distributed as dist  # imported here: only the launching process needs the store
 
     try:
+        listener = listen_socket(master_addr, master_port)
+        port = listener.getsockname()[1]
         return dist.TCPStore(
-            master_addr, master_port, is_master=True, wait_for_workers=False,
+            master_addr, port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s or DEFAULT_STORE_TIMEOUT_S),
+            master_listen_fd=listener.detach(),  # the store owns and closes it
         )
     except (RuntimeError, OSError) as error:
         raise ConfigurationError(
@@ -606,9 +717,131 @@ def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> A
         ) from error
 
 
+def connect_store(master_addr: str, master_port: int, timeout_s: float | None) -> Any:
+    """Connect this (non-zero) node's launcher to node 0's store, waiting for it up to the timeout."""
+    import torch.distributed as dist
+
+    timeout = timeout_s or DEFAULT_STORE_TIMEOUT_S
+    try:
+        return dist.TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as error:
+        raise ConfigurationError(
+            f"could not reach node 0's rendezvous store at {master_addr}:{master_port} within {timeout:g}s "
+            f"({str(error).splitlines()[0][:200]}). Start node 0 first, and pass the same --master-addr and "
+            "--master-port to every host."
+        ) from error
+
+
+def listen_socket(address: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``address`` if it belongs to this host, else on every interface."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    try:
+        return socket.create_server(sockaddr[:2], family=family, backlog=1024)
+    except OSError as error:
+        if error.errno != errno.EADDRNOTAVAIL:
+            raise
+        return socket.create_server(("", port), family=family, backlog=1024)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (a name or a literal) means this host's loopback interface."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of this host's interface holding the address it uses to reach ``address`` (Linux).
+
+    For an address of this host itself, that is the interface holding it, not loopback.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            local = ipaddress.ip_address(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return None
+    for name, addresses in _interface_addresses().items():
+        if local in addresses:
+            return name
+    return None
+
+
+def _interface_addresses() -> dict[str, set[Any]]:
+    """This host's interfaces and their addresses, read from ``ip -o addr`` (empty if unavailable)."""
+    try:
+        listing = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found: dict[str, set[Any]] = {}
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] in ("inet", "inet6"):
+            with contextlib.suppress(ValueError):
+                found.setdefault(fields[1].split("@")[0], set()).add(ipaddress.ip_address(fields[3].split("/")[0]))
+    return found
+
+
+class JobBoard:
+    """What the launchers of a multi-host job tell each other through node 0's store.
+
+    Each launcher counts itself in when it starts and out when it ends, so node 0 can keep the
+    store up until the last one is done; the first launcher to see a worker fail posts it, so the
+    others stop their workers too (non-elastic jobs). Used from the launcher's main thread only.
+    """
+
+    PREFIX = "phalanx/launch/"
+    FAILURE = PREFIX + "failure"
+    JOINED = PREFIX + "joined"
+    LEFT = PREFIX + "left"
+
+    def __init__(self, store: Any):
+        self.store = store
+
+    def join(self) -> None:
+        self.store.add(self.JOINED, 1)
+
+    def leave(self) -> None:
+        self.store.add(self.LEFT, 1)
+
+    def post_failure(self, node: int, rank: int, exit_code: int) -> None:
+        """Record the job's first failure (later ones keep the first)."""
+        record = json.dumps({"node": node, "rank": rank, "exit_code": exit_code})
+        self.store.compare_set(self.FAILURE, "", record)
+
+    def failure(self) -> dict[str, Any] | None:
+        """The failure another launcher posted, or None (also when the store is unreachable)."""
+        try:
+            if not self.store.check([self.FAILURE]):
+                return None
+            return json.loads(self.store.get(self.FAILURE))
+        except (RuntimeError, OSError, ValueError):
+            return None
+
+    def wait_for_others(self, deadline: float, interrupted: Callable[[], bool]) -> None:
+        """Node 0: wait until every launcher that joined has left, or the deadline passes."""
+        while time.monotonic() < deadline and not interrupted():
+            try:
+                if self.store.add(self.LEFT, 0) >= self.store.add(self.JOINED, 0):
+                    return
+            except (RuntimeError, OSError):
+                return
+            time.sleep(POLL_INTERVAL_S)
+
+
 def launch(config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
     """Run ``config`` to the end, print why it failed if it did, and return the launcher's exit code."""
-    result = Supervisor(config, stdout, stderr).run()
+    if config.elastic:
+        from phalanx.cli.elastic import ElasticSupervisor
+
+        result = ElasticSupervisor(config, stdout, stderr).run()
+    else:
+        result = Supervisor(config, stdout, stderr).run()
     message = result.describe()
     if message:
         err = stderr or sys.stderr

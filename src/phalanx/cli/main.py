@@ -19,19 +19,29 @@ RUN_DESCRIPTION = """\
 Start N worker processes on this host running a script or module, each told its rank through
 PHALANX_RANK/PHALANX_WORLD_SIZE (and torch's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT). The
 launcher hosts the rendezvous store, prefixes every output line with the worker's rank, and
-stops all workers as soon as one fails."""
+stops all workers as soon as one fails.
+
+Across hosts, run one launcher per host with the same --nnodes, --master-addr (node 0's address)
+and --master-port, and its own --node-rank; node 0's launcher hosts the store and global ranks
+are node_rank * N + local rank. With --min-workers (or --nnodes MIN:MAX) the job is elastic: a
+lost worker does not stop the others, which re-form the group and go on from their last commit
+(see docs/elastic.md); workers started later join at a step boundary."""
 
 RUN_EPILOG = """\
 exit status:
-  0        every worker exited with 0
+  0        every worker exited with 0 (elastic: the job completed, lost workers are listed)
   N        the first worker to fail exited with N (128+S if killed by signal S);
            its rank and the tail of its stderr are repeated at the end
+  1        elastic: fewer than --min-workers workers remained
   2        invalid arguments
   130/143  the launcher was stopped by SIGINT (Ctrl-C) / SIGTERM
 
 examples:
   phalanx run -n 4 train.py --epochs 3
-  phalanx run -n 2 -m mypackage.train --lr 0.1"""
+  phalanx run -n 2 -m mypackage.train --lr 0.1
+  phalanx run -n 4 --min-workers 2 train.py                  # elastic, one host
+  phalanx run -n 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+  phalanx run -n 2 --nnodes 1:4 --node-rank 3 --master-addr 10.0.0.1 --master-port 29500 train.py"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,17 +104,34 @@ def split_run_argv(argv: Sequence[str], value_options: frozenset[str]) -> tuple[
 
 def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) -> LaunchConfig:
     """The :class:`LaunchConfig` a parsed ``phalanx run`` command line asks for."""
+    nnodes, max_nnodes = parse_nnodes(namespace.nnodes)
     return LaunchConfig(
         target=namespace.target or "",
         args=tuple(target_args),
         is_module=namespace.module,
         nproc_per_node=namespace.nproc_per_node,
+        nnodes=nnodes,
+        node_rank=namespace.node_rank,
         master_addr=namespace.master_addr,
         master_port=namespace.master_port,
         timeout_s=namespace.timeout,
         grace_s=namespace.grace,
         prefix_output=not namespace.no_prefix,
+        max_nnodes=max_nnodes,
+        min_workers=namespace.min_workers,
+        heartbeat_timeout_s=namespace.heartbeat_timeout,
     )
+
+
+def parse_nnodes(text: str) -> tuple[int, int | None]:
+    """``"2"`` gives ``(2, None)`` (a fixed number of hosts); ``"1:4"`` gives ``(1, 4)`` (elastic)."""
+    low, colon, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if colon else (int(low), None)
+    except ValueError:
+        raise ConfigurationError(
+            f"--nnodes takes a number of hosts or a range MIN:MAX, got {text!r}; for example --nnodes 2 or --nnodes 1:4."
+        ) from None
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
@@ -131,6 +158,14 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
 
     option("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="worker processes to start (default 1)")
     option("-m", "--module", action="store_true", help="run the target as a module, like `python -m`")
+    option("--nnodes", default="1", metavar="N|MIN:MAX",
+           help="hosts taking part, one launcher each (default 1); a range MIN:MAX makes the job elastic")
+    option("--node-rank", type=int, default=0, metavar="I",
+           help="this host's index, 0 to nnodes-1 (default 0); node 0 hosts the rendezvous store")
+    option("--min-workers", type=int, default=None, metavar="K",
+           help="elastic: go on after losing workers while at least K remain (default: stop at the first failure)")
+    option("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+           help="elastic: a worker silent this long is declared dead and killed (default: half of --timeout, at most 30)")
     option("--master-addr", default=DEFAULT_MASTER_ADDR, metavar="ADDR",
            help=f"address the rendezvous store listens on and workers connect to (default {DEFAULT_MASTER_ADDR})")
     option("--master-port", type=int, default=0, metavar="PORT",

@@ -1,0 +1,123 @@
+"""``px.elastic.run``: call a training function again after every change of membership."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from phalanx.comm import runtime
+from phalanx.comm.runtime import Keys, MembershipClosed
+from phalanx.elastic.state import MembershipChanged, State
+from phalanx.errors import CollectiveError, CollectiveTimeoutError
+
+T = TypeVar("T")
+
+
+def run(fn: Callable[..., T]) -> Callable[..., T | None]:
+    """Wrap ``fn(state, *args, **kwargs)`` so that it survives changes of membership.
+
+    ``fn`` trains from wherever ``state`` says (``state.epoch``, the loader's position) and calls
+    ``state.commit()`` after every step. When a member is lost (a collective fails) or workers
+    wait to join (``commit()`` raises :class:`MembershipChanged`), the wrapper re-forms the group,
+    synchronises the committed state (joiners receive it from a peer), restores it, reshards the
+    loaders and calls ``fn`` again. Other exceptions propagate unchanged.
+
+    Outside an elastic launch it simply calls ``fn``. A worker started after the job finished
+    returns ``None`` without calling it. When fewer than ``--min-workers`` remain, the first
+    survivor saves the last commit to ``state.checkpoint_path`` (if set) and every survivor raises
+    :class:`px.elastic.MembershipClosed`.
+    """
+
+    @functools.wraps(fn)
+    def elastic(state: State, *args: Any, **kwargs: Any) -> T | None:
+        if not runtime.is_initialized():
+            runtime.init()
+        if not runtime.is_elastic():
+            return fn(state, *args, **kwargs)
+        try:
+            _start(state)
+        except MembershipClosed as closed:
+            if closed.reason == "finished":
+                print(f"phalanx elastic: {closed}", file=sys.stderr, flush=True)
+                return None
+            raise
+        while True:
+            try:
+                return fn(state, *args, **kwargs)
+            except MembershipChanged as change:
+                reason = change.reason
+            except Exception as error:  # noqa: BLE001 - filtered just below
+                if not is_membership_failure(error):
+                    raise
+                reason = "failure"
+            _recover(state, reason, time.monotonic())
+
+    return elastic
+
+
+def is_membership_failure(error: BaseException) -> bool:
+    """Whether ``error`` means the group lost a member (as opposed to a bug to report)."""
+    if isinstance(error, MembershipClosed):
+        return False
+    if isinstance(error, (CollectiveTimeoutError, dist.DistError)):
+        return True
+    if isinstance(error, (CollectiveError, RuntimeError)):
+        return _generation_broken()
+    return False
+
+
+def _generation_broken() -> bool:
+    view = runtime.membership()
+    if view is None:
+        return False
+    try:
+        return runtime.store().add(Keys.broken(view.generation), 0) > 0
+    except (RuntimeError, OSError):
+        return True  # the store itself is unreachable: rejoining will say why
+
+
+def _start(state: State) -> None:
+    """Founders agree on the initial state; a worker started later asks to be admitted."""
+    detected = time.monotonic()
+    if runtime.membership() is None:
+        _recover(state, "join", detected)
+        return
+    try:
+        state.sync()
+        state.restore()
+    except Exception as error:  # noqa: BLE001 - filtered just below
+        if not is_membership_failure(error):
+            raise
+        _recover(state, "failure", detected)
+
+
+def _recover(state: State, reason: str, detected: float) -> None:
+    """Re-form the group, synchronise and restore the committed state; retry while members keep failing."""
+    state._begin_recovery(detected)
+    while True:
+        try:
+            runtime.rejoin(reason)
+        except MembershipClosed as closed:
+            _save_if_asked(state, closed)
+            raise
+        try:
+            state.sync()
+            state.restore()
+        except Exception as error:  # noqa: BLE001 - filtered just below
+            if not is_membership_failure(error):
+                raise
+            reason = "failure"
+            continue
+        state._reformed()
+        return
+
+
+def _save_if_asked(state: State, closed: MembershipClosed) -> None:
+    if closed.save_checkpoint and state.checkpoint_path and closed.reason == "below-min":
+        path = state.save()
+        print(f"phalanx elastic: saved the last committed state (commit {state.version}) to {path}",
+              file=sys.stderr, flush=True)

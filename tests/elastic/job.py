@@ -1,0 +1,119 @@
+"""An elastic training job for the tests, run by ``phalanx run``: an MLP over a DistributedLoader.
+
+It trains with ``px.elastic.State`` and ``px.elastic.run`` (the custom-loop API), writes its pid
+to ``--pids`` and its progress to ``--progress`` (rank 0, every commit), and at the end rank 0
+saves the final weights, the generation changes it saw and its recoveries to ``--out``.
+``reference()`` trains the same model on the same global batches in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.set_num_threads(1)
+
+SAMPLES, FEATURES, GLOBAL_BATCH, EPOCHS = 300, 8, 10, 2  # 30 steps per epoch; 3 workers get 4/3/3 samples
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    y = x @ torch.linspace(-1, 1, FEATURES).unsqueeze(1) + 0.1 * torch.randn(SAMPLES, 1, generator=generator)
+    return x, y
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """The uninterrupted run: one process, the same global batches in the same order."""
+    from phalanx.data import DistributedLoader
+
+    model = build_model()
+    optimizer = make_optimizer(model)
+    loader = DistributedLoader(dataset(), GLOBAL_BATCH, seed=3, rank=0, world_size=1)
+    for epoch in range(EPOCHS):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pids", required=True)
+    parser.add_argument("--progress", required=True)
+    parser.add_argument("--step-sleep", type=float, default=0.03)
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-file to exist")
+    parser.add_argument("--hold-file", default=None, help="a joiner creates it just before asking to join")
+    args = parser.parse_args()
+    with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+
+    import phalanx as px
+    from phalanx import elastic
+    from phalanx.data import DistributedLoader
+
+    px.init()
+    model = px.DataParallel(build_model())
+    optimizer = make_optimizer(model)
+    loader = DistributedLoader(dataset(), GLOBAL_BATCH, seed=3)
+    state = elastic.State(model=model, optimizer=optimizer, loader=loader, epoch=0, step=0,
+                          checkpoint_path=args.checkpoint)
+    changes: list[dict] = []
+    if args.hold_file and elastic.membership() is None:  # started after the job did: about to ask to join
+        open(args.hold_file, "w").close()
+
+    @elastic.run
+    def train(state: elastic.State) -> int:
+        for epoch in range(state.epoch, EPOCHS):
+            loader.set_epoch(epoch)
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                optimizer.step()
+                state.step += 1
+                time.sleep(args.step_sleep)
+                state.commit()
+                view = elastic.membership() or elastic.Membership(0, px.rank(), px.size(), ())  # static launch
+                if not changes or changes[-1]["generation"] != view.generation:
+                    changes.append({"generation": view.generation, "size": view.size, "time": time.time(),
+                                    "step": state.step, "lost": list(view.lost), "joined": list(view.joined)})
+                if state.step == args.hold_at:  # the test's joiner: let it start before the job ends
+                    deadline = time.monotonic() + 60
+                    while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    time.sleep(0.3)  # its request reaches the coordinator meanwhile
+                if px.rank() == 0:
+                    with open(args.progress + ".tmp", "w") as handle:
+                        handle.write(f"{state.step} {view.generation} {view.size}")
+                    os.replace(args.progress + ".tmp", args.progress)
+        return state.step
+
+    steps = train(state)
+    if px.rank() == 0 and steps is not None:
+        torch.save({"weights": model.state_dict(), "changes": changes, "steps": steps, "size": px.size(),
+                    "recoveries": [r.__dict__ for r in state.recoveries]}, args.out)
+    print(f"done: rank {px.rank()} of {px.size()} after {steps} steps", flush=True)
+    px.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
