@@ -59,6 +59,7 @@ class Bucket:
     views: list[torch.Tensor]
     trailer: torch.Tensor
     pending: int = 0
+    used: list[bool] = field(default_factory=list, repr=False)
     state: BucketState = BucketState.FILLING
     handle: Any = None
     residual: torch.Tensor | None = field(default=None, repr=False)
@@ -72,7 +73,7 @@ class Bucket:
         for param in members:
             views.append(flat[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
-        return cls(index, list(param_indices), flat, views, flat[numel:])
+        return cls(index, list(param_indices), flat, views, flat[numel:], used=[False] * len(members))
 
     @property
     def gradient_numel(self) -> int:
@@ -83,3 +84,10 @@ class Bucket:
         self.pending = len(self.param_indices)
         self.state = BucketState.FILLING
         self.handle = None
+
+    def write_trailer(self) -> None:
+        """Copy the per-parameter "had a gradient" flags into the trailer: one tensor operation."""
+        if all(self.used):
+            self.trailer.fill_(1)
+        else:
+            self.trailer.copy_(torch.tensor(self.used, dtype=self.trailer.dtype))

@@ -71,6 +71,23 @@ class GradientReducer:
         for hook in self._hooks:
             hook.remove()
 
+    def reset(self, threshold_mb: float | None = None) -> None:
+        """Forget the step in progress, for a group that broke or was re-formed (elastic training).
+
+        Drops in-flight handles and the partial sample count, lays out fresh buckets (with
+        ``threshold_mb`` if given; compression residuals are dropped) and learns the gradient order
+        again on the next synchronised step. Every member of the new group must call it, so that
+        reducers caught in different phases by a failure agree again.
+        """
+        self.syncing = True
+        self._local_samples = 0
+        self._count_handle = None
+        self._in_backward = False
+        self._packed = []
+        self._next_launch = 0
+        self._observed_order = []
+        self._install(self._order, self.threshold_mb if threshold_mb is None else threshold_mb)
+
     # --- backward side --------------------------------------------------------------------
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -81,10 +98,9 @@ class GradientReducer:
                 self._begin_backward(queue_finish=True)
             if self._observed_order is not None:
                 self._observed_order.append(index)
-            self._pack(index)
-            bucket = self._buckets[self._bucket_of[index][0]]
+            bucket = self._pack(index)
             bucket.pending -= 1
-            if bucket.pending == 0:
+            if bucket.pending == 0 and bucket.index == self._next_launch:
                 self._launch_ready_buckets()
 
         return on_gradient_ready
@@ -105,10 +121,9 @@ class GradientReducer:
         total = int(self._count_handle.wait())
         return self._local_samples / total if total else 0.0
 
-    def _pack(self, index: int) -> None:
+    def _pack(self, index: int) -> Bucket:
         """Write this parameter's weighted gradient into its bucket slot (zero if it has none)."""
-        bucket_index, slot = self._bucket_of[index]
-        bucket = self._buckets[bucket_index]
+        bucket, slot = self._slot_of[index]
         param, view = self.params[index], bucket.views[slot]
         grad = param.grad
         if grad is None or self._weight == 0.0:
@@ -118,12 +133,14 @@ class GradientReducer:
         else:
             torch.mul(grad, self._weight, out=view)
             param.grad = view
-        bucket.trailer[slot] = 0 if grad is None else 1
+        bucket.used[slot] = grad is not None  # the trailer is written once, at launch
         self._packed[index] = True
+        return bucket
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
+            bucket.write_trailer()
             bucket.handle = self.compression.launch(bucket.flat, bucket.gradient_numel,
                                                     self._compression_state[bucket.index])
             bucket.state = BucketState.IN_FLIGHT
@@ -187,10 +204,10 @@ class GradientReducer:
         self._buckets = [Bucket.allocate(b, [order[k] for k in group], self.params)
                          for b, group in enumerate(plan_buckets(ordered, threshold_mb))]
         self._compression_state = [{} for _ in self._buckets]
-        self._bucket_of: dict[int, tuple[int, int]] = {}
+        self._slot_of: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for slot, index in enumerate(bucket.param_indices):
-                self._bucket_of[index] = (bucket.index, slot)
+                self._slot_of[index] = (bucket, slot)
                 self._adopt_gradient(index, bucket.views[slot])
 
     def _adopt_gradient(self, index: int, view: torch.Tensor) -> None:
