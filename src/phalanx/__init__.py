@@ -30,7 +30,7 @@ from phalanx.comm.runtime import (
     size,
     timeout,
 )
-from phalanx import data
+from phalanx import data, elastic
 from phalanx.parallel.batchnorm import SyncBatchNorm
 from phalanx.parallel.compression import TopK
 from phalanx.parallel.data_parallel import DataParallel
@@ -54,7 +54,7 @@ from phalanx.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "ExactGradients", "History", "SyncBatchNorm", "TopK", "callbacks", "data", "evaluate", "fit", "lr",
+    "DataParallel", "ExactGradients", "History", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",

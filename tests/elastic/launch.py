@@ -45,7 +45,7 @@ class Launch:
     """One ``phalanx run`` of the test job; ``wait()`` returns the exit code, ``stderr`` its summary."""
 
     def __init__(self, directory: Path, launcher_args: Sequence[str], job_args: Sequence[str] = (),
-                 name: str = "node0", prefix: Sequence[str] = ()):
+                 name: str = "node0", prefix: Sequence[str] = (), job: Path = JOB):
         self.directory = directory
         self.pids = directory / "pids"
         self.pids.mkdir(exist_ok=True)
@@ -53,7 +53,7 @@ class Launch:
         self.progress = directory / f"{name}.progress"
         self.log_out = directory / f"{name}.stdout"
         self.log_err = directory / f"{name}.stderr"
-        command = [*prefix, sys.executable, "-m", "phalanx", "run", *launcher_args, str(JOB),
+        command = [*prefix, sys.executable, "-m", "phalanx", "run", *launcher_args, str(job),
                    "--out", str(self.out), "--pids", str(self.pids), "--progress", str(self.progress), *job_args]
         with open(self.log_out, "wb") as out, open(self.log_err, "wb") as err:
             self.process = subprocess.Popen(command, cwd=directory, env=clean_env(), stdout=out, stderr=err,

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from phalanx import elastic
 from phalanx.comm import runtime
 from phalanx.data import DistributedLoader, mix_seed
 from phalanx.errors import ConfigurationError
@@ -17,7 +18,7 @@ from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks as cb, checkpoint
 from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
-from phalanx.train.state import History, TrainState
+from phalanx.train.state import History, LoopPosition, TrainState
 
 LOG_EVERY_STEPS = 10
 
@@ -52,7 +53,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
                                        checkpoint_every, log_dir))
     if resume and checkpoint_dir is not None:
         checkpoint.restore(state, checkpoint_dir)
-    _train(state, hooks, loss_fn, val_loader, lr_schedule)
+    _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
     return state.history
 
 
@@ -63,50 +64,84 @@ def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, 
     return _evaluate(model, loss_fn, _loader(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
 
 
-def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None) -> None:
+def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+           checkpoint_dir: str | Path | None) -> None:
     if not state.scheduled_lrs:
         state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
     hooks.on_train_begin(state)
+    if elastic.enabled():
+        _train_elastic(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+    else:
+        _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, commit=lambda: None)
+    hooks.on_train_end(state)
+
+
+def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+                   checkpoint_dir: str | Path | None) -> None:
+    """The same loop, committed after every step: a lost worker costs at most the step in flight."""
+    objects = {"model": state.model, "optimizer": state.optimizer, "loader": state.loader,
+               "loop": LoopPosition(state), **({"val_loader": val_loader} if val_loader is not None else {}),
+               **({"exact": state.exact} if state.exact is not None else {})}
+    last = None
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        last = Path(checkpoint_dir) / checkpoint.ELASTIC_LAST
+    carried = elastic.State(checkpoint_path=last, **objects)
+    elastic.run(lambda _: _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, carried.commit))(carried)
+
+
+def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+                  commit: Callable[[], None]) -> None:
     for epoch in range(state.epoch, state.epochs):
-        logs = _train_epoch(state, hooks, loss_fn, lr_schedule, epoch)
+        logs = _train_epoch(state, hooks, loss_fn, lr_schedule, epoch, commit)
         if logs is None:  # stopped mid-epoch: the position stays resumable
-            break
+            return
         if val_loader is not None:
             logs.update(_evaluate(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
         state.history.append(epoch, logs)
         hooks.on_epoch_end(epoch, logs, state)
+        commit()
         if state.stop_training:
-            break
-    hooks.on_train_end(state)
+            return
 
 
-def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None,
-                 epoch: int) -> dict[str, float] | None:
+def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None, epoch: int,
+                 commit: Callable[[], None]) -> dict[str, float] | None:
+    """Run what is left of ``epoch``; its global metrics, or ``None`` when a callback stopped it midway."""
     state.model.train()
     if state.epoch != epoch:
         state.epoch, state.step = epoch, 0
-    state.loader.set_epoch(epoch)
-    metrics = state.metrics
     if state.step == 0:  # a run resumed mid-epoch keeps the sums restored from its checkpoint
-        for metric in metrics:
+        for metric in state.metrics:
             metric.reset()
     hooks.on_epoch_begin(epoch, state)
+    if state.step < state.steps_per_epoch:  # an elastic recovery can land after the last batch
+        state.loader.set_epoch(epoch)
+        if not _train_steps(state, hooks, loss_fn, lr_schedule, commit):
+            return None
+    state.epoch, state.step = epoch + 1, 0
+    return reduce_metrics(state.metrics)
+
+
+def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None,
+                 commit: Callable[[], None]) -> bool:
+    """The epoch's remaining steps; False when a callback asked to stop before its end."""
     logs: dict[str, float] = {}
     started, samples = time.perf_counter(), 0
     for batch in state.loader:
         _apply_schedule(state, lr_schedule)
         hooks.on_step_begin(state.step, state)
-        _train_step(state, batch, loss_fn, metrics)
+        _train_step(state, batch, loss_fn, state.metrics)
         state.step, state.global_step = state.step + 1, state.global_step + 1
         samples += state.loader.last_global_batch_size
         if state.step % LOG_EVERY_STEPS == 0 or not logs:
-            logs = reduce_metrics(metrics)
+            logs = reduce_metrics(state.metrics)
         logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
         hooks.on_step_end(state.step - 1, logs, state)
+        commit()
         if state.stop_training and state.step < state.steps_per_epoch:
-            return None
-    state.epoch, state.step = epoch + 1, 0
-    return reduce_metrics(metrics)
+            return False
+    return True
 
 
 def _train_step(state: TrainState, batch: Any, loss_fn: Callable, metrics: list[Metric]) -> None:

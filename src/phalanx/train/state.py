@@ -67,3 +67,35 @@ class TrainState:
     def fractional_epoch(self) -> float:
         """``epoch + step / steps_per_epoch``: the clock learning-rate schedules run on."""
         return self.epoch + self.step / max(self.steps_per_epoch, 1)
+
+
+class LoopPosition:
+    """The loop's counters and the epoch's running metric sums, as one stateful object.
+
+    Checkpoints and elastic commits store it. ``state_dict`` is collective: the metric sums are
+    summed over ranks (only mid-epoch, where they matter), and ``load_state_dict`` hands them to
+    rank 0 alone, so the next reduction counts every sample exactly once.
+    """
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        from phalanx.train.metrics import global_sums
+
+        state = self.state
+        return {"epoch": state.epoch, "step": state.step, "global_step": state.global_step,
+                "history": state.history.state_dict(), "scheduled_lrs": list(state.scheduled_lrs),
+                "running_metrics": global_sums(state.metrics) if state.step > 0 else []}
+
+    def load_state_dict(self, position: dict[str, Any]) -> None:
+        from phalanx.comm import runtime
+
+        state = self.state
+        state.epoch, state.step, state.global_step = position["epoch"], position["step"], position["global_step"]
+        state.history = History.from_state_dict(position["history"])
+        state.scheduled_lrs = list(position["scheduled_lrs"])
+        state.stop_training = False
+        sums = position["running_metrics"] or [[0.0, 0.0]] * len(state.metrics)
+        for metric, (total, count) in zip(state.metrics, sums):
+            metric.total, metric.count = (total, count) if runtime.is_master() else (0.0, 0.0)

@@ -1,0 +1,65 @@
+"""An elastic px.fit job for the tests: a CNN with batch norm and dropout in reproducible mode.
+
+Run by ``phalanx run`` (elastic) or as a plain process (the uninterrupted reference). It writes
+its pid to ``--pids``, rank 0 writes the global step to ``--progress`` after every step, and at
+the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx as px
+
+SAMPLES, GLOBAL_BATCH, MICRO, EPOCHS = 240, 24, 2, 3  # 10 steps an epoch, 30 in all
+
+
+class Progress:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_step_end(self, step: int, logs: dict, state) -> None:
+        if px.is_master():
+            self.path.write_text(f"{state.global_step}\n")
+
+
+def digest(state: dict) -> str:
+    hasher = hashlib.sha256()
+    for name, tensor in state.items():
+        hasher.update(name.encode())
+        hasher.update(tensor.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def train(progress: Path | None = None) -> str:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
+                          nn.Dropout(0.2), nn.Linear(6 * 8 * 8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
+           reproducible=True, micro_batch_size=MICRO, verbose=0, metrics=["accuracy"],
+           callbacks=[Progress(progress)] if progress else [])
+    return digest(model.state_dict())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pids", type=Path, required=True)
+    parser.add_argument("--progress", type=Path, required=True)
+    args = parser.parse_args()
+    px.init()
+    (args.pids / f"{px.rank()}.pid").write_text(str(os.getpid()))
+    result = train(args.progress)
+    if px.is_master():
+        torch.save({"digest": result}, args.out)
