@@ -25,7 +25,7 @@ from phalanx.comm import collectives, runtime
 from phalanx.data.loader import DistributedLoader
 from phalanx.data.sharding import validate_global_batch_size
 from phalanx.errors import CheckpointError, ConfigurationError, PhalanxError
-from phalanx.parallel.data_parallel import DEFAULT_FUSION_THRESHOLD_MB, DataParallel
+from phalanx.parallel.data_parallel import DataParallel
 
 CHECKPOINT_FORMAT = "phalanx.elastic.State"
 _OWN_ATTRIBUTES = frozenset({"checkpoint_path", "recoveries", "verbose"})
@@ -240,26 +240,15 @@ class State:
                     found.setdefault(id(sub), sub)
         return list(found.values())
 
-    def _local_parallel_config(self) -> list[tuple[float, Any, bool] | None]:
-        return [None if dp.reducer is None else (dp.reducer.threshold_mb, dp.reducer.compression,
-                                                  dp.reducer.check_finite) for dp in self._data_parallels()]
+    def _local_parallel_config(self) -> list[float | None]:
+        """Each px.DataParallel's fusion threshold (``None`` for a replica without a reducer)."""
+        return [None if dp.reducer is None else dp.reducer.threshold_mb for dp in self._data_parallels()]
 
     def _reset_parallel(self) -> None:
         """Every px.DataParallel forgets its step in progress and uses the same buckets as its peers."""
-        configs = self._parallel_config or self._local_parallel_config()
-        for dp, config in zip(self._data_parallels(), configs):
-            if config is None:
-                threshold = dp.tuner.initial if dp.tuner is not None else DEFAULT_FUSION_THRESHOLD_MB
-                compression, check_finite = None, False
-            else:
-                threshold, compression, check_finite = config
-            if dp.reducer is not None:
-                dp.reducer.reset(threshold)
-            elif runtime.size() > 1:  # a joiner built its model as a world of one
-                dp.reducer = dp._make_reducer(threshold, _resolve_compression(compression), check_finite)
-            if dp.tuner is not None and dp.tuner.chosen is None:
-                dp.tuner.chosen = threshold  # members may have been at different tuning steps: stop here
-            dp._micro_step = 0
+        thresholds = self._parallel_config or self._local_parallel_config()
+        for dp, threshold in zip(self._data_parallels(), thresholds):
+            dp.reset_reducer(threshold)
 
     def _begin_recovery(self, detected: float) -> None:
         object.__setattr__(self, "_pending_recovery", {"detected": detected, "reformed": None})
@@ -294,12 +283,6 @@ class State:
 
 def _is_stateful(entry: Any) -> bool:
     return callable(getattr(entry, "state_dict", None)) and callable(getattr(entry, "load_state_dict", None))
-
-
-def _resolve_compression(compression: Any) -> Any:
-    from phalanx.parallel import compression as compressions
-
-    return compressions.resolve(compression)
 
 
 def _reshard(loader: DistributedLoader) -> None:

@@ -49,15 +49,34 @@ class DataParallel(nn.Module):
         if runtime.size() > 1 and broadcast:
             replicate.check_same_structure(self.module)
             replicate.broadcast_state(self.module)
-        self.reducer = self._make_reducer(threshold, compressions.resolve(compression), check_finite)
+        self._compression = compressions.resolve(compression)
+        self._check_finite = check_finite
+        self.reducer = self._make_reducer(threshold)
 
-    def _make_reducer(self, threshold: float, compression: compressions.Compression,
-                      check_finite: bool) -> GradientReducer | None:
-        if runtime.size() == 1 and not check_finite:
+    def _make_reducer(self, threshold: float) -> GradientReducer | None:
+        if runtime.size() == 1 and not self._check_finite:
             return None
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold, compression,
-                               check_finite, on_step_end=self.tuner)
+        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold, self._compression,
+                               self._check_finite, on_step_end=self.tuner)
+
+    def reset_reducer(self, threshold_mb: float | None = None) -> None:
+        """Forget any step in progress and lay out the buckets afresh, for a re-formed group.
+
+        Elastic recovery calls it on every member with the same ``threshold_mb``. A replica built
+        as a world of one (a worker that joined later) gets its reducer here; an ``"auto"``
+        threshold still being tuned stops at the threshold given.
+        """
+        if threshold_mb is None:
+            threshold_mb = self.reducer.threshold_mb if self.reducer else (
+                self.tuner.initial if self.tuner else DEFAULT_FUSION_THRESHOLD_MB)
+        if self.reducer is not None:
+            self.reducer.reset(threshold_mb)
+        else:
+            self.reducer = self._make_reducer(threshold_mb)
+        if self.tuner is not None and self.tuner.chosen is None:
+            self.tuner.chosen = threshold_mb
+        self._micro_step = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         local_samples = _batch_size(args, kwargs)
