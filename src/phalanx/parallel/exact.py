@@ -36,6 +36,7 @@ from phalanx.errors import ConfigurationError, NonFiniteGradientError
 
 INT64_HEADROOM_BITS = 62  # |sum| stays below 2**62, well inside int64
 PRECISION_SLACK_BITS = 8
+MAX_SCALE_EXPONENT = 100
 
 
 class MicroBatch:
@@ -79,7 +80,7 @@ class ExactGradients:
         self.step = 0
         self.redone_steps = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._lengths = torch.tensor([p.numel() for p in self.params])
+        self._lengths = [p.numel() for p in self.params]
         self.scales = torch.zeros(len(self.params), dtype=torch.float64)
         self._running_stats = _RunningStatsFolding(model)
 
@@ -106,20 +107,25 @@ class ExactGradients:
 
     def _accumulate(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                     micro: list[MicroBatch]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Fixed-point sum of this rank's micro-batch gradients, and each tensor's largest entry."""
-        sums = torch.zeros(int(self._lengths.sum()), dtype=torch.int64)
+        """Fixed-point sum of this rank's micro-batch gradients, and each tensor's largest entry.
+
+        Scaling by a power of two is exact in the gradient's own dtype, so each entry is rounded
+        once, to an integer, and the sample count multiplies the integer: no float64 pass.
+        """
+        sums = [torch.zeros(p.numel(), dtype=torch.int64) for p in self.params]
         local_max = torch.zeros(len(self.params), dtype=torch.float64)
-        per_element_scale = torch.repeat_interleave(self.scales, self._lengths)
+        scales = self.scales.tolist()
         results = []
         self._running_stats.begin()
         for part in micro:
             results.append(self._backward_one(loss_fn, inputs, targets, part))
-            flat = torch.cat([_flat_grad(p) for p in self.params]).double() * part.size
-            maxima = torch.segment_reduce(flat.abs(), "max", lengths=self._lengths, unsafe=True)
+            grads = [_flat_grad(param) for param in self.params]
+            maxima = torch.stack(torch._foreach_norm(grads, float("inf"))).double() * part.size
             local_max = torch.maximum(local_max, maxima)
-            sums += torch.round(flat * per_element_scale).long()
+            for grad, total, scale in zip(grads, sums, scales):
+                total.add_(torch.mul(grad, scale).round_().to(torch.int64), alpha=part.size)
         self._running_stats.end()
-        return sums, local_max, results
+        return torch.cat(sums), local_max, results
 
     def _backward_one(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                       part: MicroBatch) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -136,7 +142,7 @@ class ExactGradients:
         return _detach(outputs), targets[rows], loss.detach()
 
     def _publish(self, sums: torch.Tensor, global_batch_size: int) -> None:
-        for param, chunk, scale in zip(self.params, sums.split(self._lengths.tolist()), self.scales.tolist()):
+        for param, chunk, scale in zip(self.params, sums.split(self._lengths), self.scales.tolist()):
             mean = chunk.double() / (scale * global_batch_size) if scale else torch.zeros(chunk.shape, dtype=torch.float64)
             param.grad = mean.to(param.dtype).view_as(param)
 
@@ -171,7 +177,8 @@ def _ideal_scales(global_max: torch.Tensor, total_micro: int) -> torch.Tensor:
     budget = INT64_HEADROOM_BITS - math.ceil(math.log2(total_micro + 1)) - 1
     exponents = torch.where(global_max > 0, budget - torch.ceil(torch.log2(global_max.clamp_min(1e-300))),
                             torch.zeros_like(global_max))
-    return torch.pow(2.0, exponents.clamp(-1000, 1000))
+    # Within float32's exponent range, so that scaling a float32 gradient stays exact.
+    return torch.pow(2.0, exponents.clamp(-MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT))
 
 
 def _scales_fit(used: torch.Tensor, ideal: torch.Tensor) -> bool:
@@ -182,21 +189,28 @@ def _scales_fit(used: torch.Tensor, ideal: torch.Tensor) -> bool:
 class _RunningStatsFolding:
     """Batch-norm running statistics updated per micro-batch in index order, on every rank alike.
 
-    During a step each layer's own update is undone; the per-micro-batch mean and unbiased
-    variance are recorded, gathered from all ranks (their ranges are contiguous, so rank order
-    is index order) and folded in with the layer's momentum.
+    During a micro-batch's forward each layer runs with momentum 1, so its running statistics
+    become that micro-batch's mean and unbiased variance, computed by the layer's own kernel; they
+    are recorded and the layer's state is put back. After the step the records of all ranks are
+    gathered (ranges are contiguous, so rank order is index order) and folded in with the
+    layer's real momentum.
     """
 
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
         self._index = {id(layer): k for k, layer in enumerate(self.layers)}
         self._width = sum(2 * layer.num_features for layer in self.layers)
+        self._offsets = [0]
+        for layer in self.layers:
+            self._offsets.append(self._offsets[-1] + 2 * layer.num_features)
         self._rows: list[torch.Tensor] = []
         self._current: dict[int, torch.Tensor] = {}
         self._saved: list[tuple[torch.Tensor, ...]] = []
+        self._momenta: dict[int, float | None] = {}
         self._recording = False
         for layer in self.layers:
-            layer.register_forward_pre_hook(self._record)
+            layer.register_forward_pre_hook(self._before)
+            layer.register_forward_hook(self._after)
 
     def begin(self) -> None:
         """Start a pass over this rank's micro-batches (a redone step starts again)."""
@@ -206,11 +220,10 @@ class _RunningStatsFolding:
 
     def end_micro_batch(self) -> None:
         if self.layers:
-            missing = torch.full((self._width,), math.nan, dtype=torch.float64)
-            offsets = torch.tensor([0] + [2 * l.num_features for l in self.layers]).cumsum(0).tolist()
+            row = torch.full((self._width,), math.nan, dtype=torch.float64)
             for k, stats in self._current.items():
-                missing[offsets[k] : offsets[k + 1]] = stats
-            self._rows.append(missing)
+                row[self._offsets[k] : self._offsets[k + 1]] = stats
+            self._rows.append(row)
         self._current = {}
 
     def end(self) -> None:
@@ -221,12 +234,15 @@ class _RunningStatsFolding:
             layer.running_var.copy_(var)
             layer.num_batches_tracked.copy_(count)
 
-    def _record(self, layer: nn.Module, args: tuple) -> None:
+    def _before(self, layer: nn.Module, args: tuple) -> None:
         if self._recording and layer.training:
-            x = args[0].detach()
-            dims = [0] + list(range(2, x.dim()))
-            var, mean = torch.var_mean(x, dim=dims, correction=1 if x.numel() > x.shape[1] else 0)
-            self._current[self._index[id(layer)]] = torch.cat([mean, var]).double()
+            self._momenta[id(layer)] = layer.momentum
+            layer.momentum = 1.0
+
+    def _after(self, layer: nn.Module, args: tuple, output: Any) -> None:
+        if id(layer) in self._momenta:
+            layer.momentum = self._momenta.pop(id(layer))
+            self._current[self._index[id(layer)]] = torch.cat([layer.running_mean, layer.running_var]).double()
 
     def fold(self) -> None:
         """Gather every micro-batch's statistics and fold them in, in global index order."""
