@@ -95,12 +95,14 @@ class ExactGradients:
         total_micro = -(-global_batch_size // self.micro_batch_size)
         while True:
             sums, local_max, results = self._accumulate(loss_fn, inputs, targets, micro)
-            global_max = collectives.allreduce(local_max, "max", check=False)
-            ideal = _ideal_scales(global_max, total_micro)
+            # The sum travels alongside the maximum; it is discarded in the rare step that is redone.
+            summed = collectives.allreduce_(sums, "sum", async_op=True, check=False)
+            ideal = _ideal_scales(collectives.allreduce(local_max, "max", check=False), total_micro)
+            summed = summed.wait()
             if _scales_fit(self.scales, ideal):
                 break
             self.scales, self.redone_steps = ideal, self.redone_steps + 1
-        self._publish(collectives.allreduce(sums, "sum", check=False), global_batch_size)
+        self._publish(summed, global_batch_size)
         self._running_stats.fold()
         self.step += 1
         return results
