@@ -200,3 +200,37 @@ def test_small_local_batch_with_batchnorm_warns_once() -> None:
         model(x)
         model(x)
     assert len([w for w in caught if "sync_batchnorm=True" in str(w.message)]) == 1
+
+
+def _changing_global_batch(sample_counts: list[int]) -> dict:
+    """SGD steps over global batches of varying size; note which steps summed the count separately."""
+    model = px.DataParallel(_build("mlp", seed=100 + px.rank()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    count_allreduce = []
+    for step, samples in enumerate(sample_counts):
+        x, y = data("mlp", samples, seed=step)
+        start, stop = share_bounds(samples, px.size(), px.rank())
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[start:stop]), y[start:stop])
+        count_allreduce.append(model.reducer._count_handle is not None)
+        loss.backward()
+        optimizer.step()
+    return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+            "count_allreduce": count_allreduce}
+
+
+def test_a_changing_global_batch_still_gives_the_global_average() -> None:
+    """The global count is summed once; later steps reuse it, and rescale where it changed."""
+    sample_counts = [12, 12, 7, 7, 12, 2, 12]  # 2 samples over 3 ranks: one rank has none
+    results = run_workers(_changing_global_batch, 3, sample_counts)
+    model = _build("mlp", seed=100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, samples in enumerate(sample_counts):
+        x, y = data("mlp", samples, seed=step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    reference = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    _assert_matches(results, reference, key="params")
+    for result in results:
+        assert result["count_allreduce"] == [True] + [False] * (len(sample_counts) - 1)

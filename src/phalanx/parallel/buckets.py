@@ -1,10 +1,11 @@
 """Gradient buckets: which parameters are fused into one allreduce, and each bucket's state.
 
-A bucket owns one flat buffer laid out as ``[grad_0, grad_1, ..., used_0, used_1, ...]``: the
-gradients of its parameters, then one *trailer* element per parameter that holds 1 where this
-rank had a gradient for it. Summed over ranks, the trailer tells every rank which parameters got
-a gradient anywhere, without a separate collective. After a synchronised step each parameter's
-``.grad`` is a view into its bucket, so the next step fills the bucket without a copy.
+A bucket owns one flat buffer laid out as ``[grad_0, grad_1, ..., used_0, used_1, ..., samples]``:
+the gradients of its parameters, then a *trailer*: one element per parameter that holds 1 where
+this rank had a gradient for it, and this rank's sample count. Summed over ranks, the trailer
+tells every rank which parameters got a gradient anywhere, and the global sample count, without
+a separate collective. After a synchronised step each parameter's ``.grad`` is a view into its
+bucket, so the next step fills the bucket without a copy.
 
 State machine of one bucket during a synchronised backward::
 
@@ -27,25 +28,40 @@ class BucketState(enum.Enum):
     DONE = "done"
 
 
-def plan_buckets(params: Sequence[torch.Tensor], threshold_mb: float) -> list[list[int]]:
-    """Group parameter indices, in the given order, into buckets of about ``threshold_mb``.
+#: The first bucket of a step closes at this size (when the threshold is finite and larger), so
+#: that communication starts early in backward whatever the threshold; see ``benchmarks/RESULTS.md``.
+FIRST_BUCKET_MB = 1.0
 
-    ``0`` gives one tensor per bucket and ``inf`` one bucket per dtype and device. A bucket never
-    mixes dtypes or devices, and a parameter larger than the threshold gets a bucket of its own.
+
+def plan_buckets(params: Sequence[torch.Tensor], threshold_mb: float,
+                 first_bucket_mb: float | None = None) -> list[list[int]]:
+    """Group parameter indices, in the given order (the order gradients become ready), into buckets.
+
+    A bucket is closed as soon as it holds ``threshold_mb`` or more, so a large parameter shares
+    its bucket with the small ones ready just before it (typically its own bias) instead of
+    leaving them a collective of their own. The first bucket of each dtype and device closes
+    already at ``first_bucket_mb`` (default :data:`FIRST_BUCKET_MB`) if that is smaller. ``0``
+    gives one tensor per bucket and ``inf`` one bucket per dtype and device. A bucket never mixes
+    dtypes or devices.
     """
+    first_bucket_mb = FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
     limit = math.inf if threshold_mb == math.inf else threshold_mb * 2**20
+    first_limit = limit if threshold_mb == math.inf else min(limit, first_bucket_mb * 2**20)
     groups: list[list[int]] = []
-    open_groups: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}
+    open_groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], float] = {}
+    caps: dict[tuple[torch.dtype, torch.device], float] = {}
     for index, param in enumerate(params):
         key = (param.dtype, param.device)
-        group, size = open_groups.get(key, (None, [0]))
-        nbytes = param.numel() * param.element_size()
-        if group is None or (group and size[0] + nbytes > limit):
-            group, size = [], [0]
-            groups.append(group)
-            open_groups[key] = (group, size)
-        group.append(index)
-        size[0] += nbytes
+        if key not in open_groups:
+            open_groups[key] = []
+            groups.append(open_groups[key])
+            sizes[key] = 0
+            caps[key] = limit if key in caps else first_limit
+        open_groups[key].append(index)
+        sizes[key] += param.numel() * param.element_size()
+        if sizes[key] >= caps[key]:
+            del open_groups[key]
     return groups
 
 
@@ -68,7 +84,7 @@ class Bucket:
     def allocate(cls, index: int, param_indices: list[int], params: Sequence[torch.Tensor]) -> "Bucket":
         members = [params[i] for i in param_indices]
         numel = sum(p.numel() for p in members)
-        flat = torch.zeros(numel + len(members), dtype=members[0].dtype, device=members[0].device)
+        flat = torch.zeros(numel + len(members) + 1, dtype=members[0].dtype, device=members[0].device)
         views, offset = [], 0
         for param in members:
             views.append(flat[offset : offset + param.numel()].view_as(param))
@@ -85,9 +101,15 @@ class Bucket:
         self.state = BucketState.FILLING
         self.handle = None
 
-    def write_trailer(self) -> None:
-        """Copy the per-parameter "had a gradient" flags into the trailer: one tensor operation."""
+    def write_trailer(self, samples: int) -> None:
+        """Write the "had a gradient" flags and the sample count into the trailer (two small operations)."""
         if all(self.used):
-            self.trailer.fill_(1)
+            self.trailer[:-1].fill_(1)
         else:
-            self.trailer.copy_(torch.tensor(self.used, dtype=self.trailer.dtype))
+            self.trailer[:-1].copy_(torch.tensor(self.used, dtype=self.trailer.dtype))
+        self.trailer[-1].fill_(samples)
+
+    def read_trailer(self) -> tuple[list[float], float]:
+        """After the sum over ranks: per parameter, how many ranks had a gradient; and all ranks' samples."""
+        values = self.trailer.tolist()
+        return values[:-1], values[-1]

@@ -21,6 +21,15 @@ class Compression:
     """Sends buckets uncompressed: one in-place allreduce each."""
 
     name = "none"
+    #: Whether scaling a bucket after the sum equals scaling every rank's buffer before it. True for
+    #: an exact sum; a subclass is taken to be False unless it declares otherwise. The reducer
+    #: relies on it to skip the per-step sample-count allreduce (see :mod:`phalanx.parallel.reducer`).
+    rescalable = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "rescalable" not in cls.__dict__:
+            cls.rescalable = False
 
     def launch(self, bucket_flat: torch.Tensor, gradient_numel: int, state: dict[str, Any]) -> Any:
         """Start summing ``bucket_flat`` over ranks; the returned handle's ``wait()`` completes it."""

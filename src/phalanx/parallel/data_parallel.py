@@ -24,8 +24,9 @@ class DataParallel(nn.Module):
     Construction checks that every rank built the same model and broadcasts rank 0's parameters
     and buffers. Gradients are fused into buckets of about ``fusion_threshold_mb`` (``0``: one
     allreduce per tensor, ``float("inf")``: one per step, ``"auto"``: measured during the first
-    steps) and reduced while backpropagation continues. Ranks are weighted by the samples they
-    saw, so uneven shares of a global batch still give the exact global-batch gradient.
+    steps; the first bucket of a step closes at 1 MB already) and reduced while backpropagation
+    continues. Ranks are weighted by the samples they saw, so uneven shares of a global batch
+    still give the exact global-batch gradient.
 
     ``accumulate_steps=k`` reduces only on every ``k``-th backward (decided at forward time);
     ``no_sync()`` skips reduction inside it. ``compression`` is ``None``, ``"fp16"``, ``"bf16"``

@@ -8,8 +8,13 @@ callback launches the buckets still open (parameters that got no gradient contri
 waits for all of them, and leaves the averaged gradients in ``.grad``.
 
 Weights make the average exact when ranks hold different numbers of samples: rank ``r``
-contributes ``n_r / N`` of its mean gradient, where the global count ``N`` is summed by a tiny
-allreduce launched at forward time and finished long before the first bucket needs it.
+contributes ``n_r / N`` of its mean gradient. The global count ``N`` of the first synchronised
+step is summed by a tiny allreduce launched at forward time. Every bucket's trailer also carries
+the sample counts, so after each step all ranks know that step's ``N``; from then on (for exact,
+uncompressed sums of float32/float64 buckets) the next step is weighted with the last ``N`` and
+needs no count allreduce at all: one collective and one synchronisation point fewer per step.
+Should the count differ after all (a short last batch), every rank sees so in the trailer and
+rescales its summed buckets by ``N_assumed / N``, which gives the same average up to rounding.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class GradientReducer:
         self._on_step_end = on_step_end
         self._local_samples = 0
         self._count_handle: Any = None
+        self._counted = False  # a training forward registered samples for the coming synchronised step
+        self._predicted_total: int | None = None  # last step's global count: this step's assumed one
+        self._weight_total: int | None = None  # the assumed count this step's weights used, if any
+        self._can_predict = compression.rescalable and all(
+            p.dtype in (torch.float32, torch.float64) for p in self.params)
         self._weight = 1.0 / runtime.size()
         self._in_backward = False
         self._packed: list[bool] = []
@@ -53,11 +63,13 @@ class GradientReducer:
     # --- forward side ---------------------------------------------------------------------
 
     def expect_backward(self, local_samples: int) -> None:
-        """Record a training forward of ``local_samples``; start summing the global count now."""
+        """Record a training forward of ``local_samples``; start summing the global count unless it is known."""
         self._local_samples += local_samples
         if self.syncing and runtime.size() > 1:
-            count = torch.tensor([self._local_samples], dtype=torch.int64)
-            self._count_handle = collectives.allreduce_(count, "sum", async_op=True, check=False)
+            self._counted = True
+            if self._predicted_total is None:
+                count = torch.tensor([self._local_samples], dtype=torch.int64)
+                self._count_handle = collectives.allreduce_(count, "sum", async_op=True, check=False)
 
     def reduce_without_data(self) -> None:
         """Take part in a synchronised step with no backward here: contribute only what ``.grad`` holds."""
@@ -82,6 +94,9 @@ class GradientReducer:
         self.syncing = True
         self._local_samples = 0
         self._count_handle = None
+        self._counted = False
+        self._predicted_total = None
+        self._weight_total = None
         self._in_backward = False
         self._packed = []
         self._next_launch = 0
@@ -116,10 +131,14 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _resolve_weight(self) -> float:
-        if self._count_handle is None:
-            return 1.0 / runtime.size()
-        total = int(self._count_handle.wait())
-        return self._local_samples / total if total else 0.0
+        self._weight_total = None
+        if self._count_handle is not None:
+            total = int(self._count_handle.wait())
+            return self._local_samples / total if total else 0.0
+        if self._counted and self._predicted_total is not None:
+            self._weight_total = self._predicted_total  # checked against the trailers once summed
+            return self._local_samples / self._predicted_total
+        return 1.0 / runtime.size()
 
     def _pack(self, index: int) -> Bucket:
         """Write this parameter's weighted gradient into its bucket slot (zero if it has none)."""
@@ -140,7 +159,7 @@ class GradientReducer:
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.write_trailer()
+            bucket.write_trailer(self._local_samples)
             bucket.handle = self.compression.launch(bucket.flat, bucket.gradient_numel,
                                                     self._compression_state[bucket.index])
             bucket.state = BucketState.IN_FLIGHT
@@ -154,22 +173,45 @@ class GradientReducer:
                     self._pack(index)
             bucket.pending = 0
         self._launch_ready_buckets()
+        total = None
         for bucket in self._buckets:
             bucket.handle.wait()
             bucket.state = BucketState.DONE
-            self._publish(bucket)
+            total = self._publish(bucket)
+        self._learn_total(total)
         self._in_backward = False
         self._local_samples = 0
         self._count_handle = None
+        self._counted = False
         if self.check_finite:
             self._raise_if_not_finite()
         self._after_step()
 
-    def _publish(self, bucket: Bucket) -> None:
-        """Point ``.grad`` at the averaged slot; parameters no rank had a gradient for keep ``None``."""
-        used = bucket.trailer.tolist()
+    def _publish(self, bucket: Bucket) -> int:
+        """Point ``.grad`` at the averaged slot; parameters no rank had a gradient for keep ``None``.
+
+        Returns the global sample count the trailer carried. Where the weights assumed another
+        (non-zero) count, the summed gradients are rescaled to the true one first.
+        """
+        used, samples = bucket.read_trailer()
+        total = int(round(samples))
+        if self._weight_total is not None and total not in (0, self._weight_total):
+            bucket.flat[: bucket.gradient_numel].mul_(self._weight_total / total)
         for slot, index in enumerate(bucket.param_indices):
             self.params[index].grad = bucket.views[slot] if used[slot] > 0 else None
+        return total
+
+    def _learn_total(self, total: int | None) -> None:
+        """Remember this step's global count, to weight the next step with it.
+
+        Every rank holds the same summed trailer, so every rank makes the same decision here and
+        all of them skip (or launch) the next count allreduce together. Counts above 2**24 are
+        not exact in a float32 trailer, and a step without samples cannot be rescaled later.
+        """
+        if total is not None and self._can_predict and runtime.size() > 1 and 0 < total < 2**24:
+            self._predicted_total = total
+        else:
+            self._predicted_total = None
 
     def _raise_if_not_finite(self) -> None:
         for index, param in enumerate(self.params):
