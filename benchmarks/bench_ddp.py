@@ -1,12 +1,20 @@
 """Step time of px.DataParallel against torch DistributedDataParallel and plain PyTorch, on Gloo/CPU.
 
 Every variant of a model lives in the same worker processes and the variants take turns: each
-repetition measures every variant once, in an order rotated from one repetition to the next, so
-slow drifts of the machine (other jobs, thermal state) hit all variants alike. One measurement is
-the median time of ``--steps`` training steps (zero_grad, forward, cross-entropy, backward, SGD
-step) after ``--warmup`` steps; the step time of a world is the slowest rank's median. Reported
-per (model, world size, variant): the median over repetitions, the throughput it gives, and the
-median of the per-repetition ratios against DDP (and against plain PyTorch at world size 1).
+repetition measures every variant once, in a shuffled order (the same on every rank), so slow
+drifts of the machine (other jobs, thermal state) hit all variants alike. One measurement is the
+median time of ``--steps`` training steps (zero_grad, forward, cross-entropy, backward, SGD step)
+after ``--warmup`` steps; the step time of a world is the slowest rank's median.
+
+Reported per (model, world size, variant): the median over repetitions with its quartiles, the
+throughput it gives, and the median [quartiles] of the per-repetition throughput ratios against
+DDP and against plain PyTorch (world size 1) or compute-only (larger worlds). During every
+measurement rank 0 also records how much CPU time processes *other* than the workers used
+(/proc/stat minus the workers' own time); the "quiet" columns repeat the figures over the
+repetitions where that stayed below ``--quiet-max`` (10 %), since the machine may be shared. A
+second table splits rank 0's steps into forward, backward (which includes waiting for the
+reduction) and optimizer, with the process's CPU time per step (all threads): step minus CPU
+time is time spent waiting.
 
 Variants:
   plain     the bare model, one process (world size 1 only)
@@ -16,9 +24,10 @@ Variants:
   px@T      px.DataParallel(model, fusion_threshold_mb=T) (--sweep); px@auto reports its choice
 
 Workers are started by this script (one subprocess per rank, rank 0 hosts the rendezvous store)
-and join with px.init(); DDP uses the default process group px.init() created. With --netns each
-of the two workers runs in its own network namespace, linked by a veth pair shaped to 1 Gbit/s
-with tbf; the namespaces are removed afterwards whatever happens.
+and join with px.init(); DDP uses the default process group px.init() created (at world size 1
+the script creates a one-process Gloo group first, which px.init() adopts). With --netns each of
+the two workers runs in its own network namespace, linked by a veth pair shaped with tbf (1
+Gbit/s unless --rate says otherwise); the namespaces are removed afterwards whatever happens.
 
     python benchmarks/bench_ddp.py                       # world sizes 1 and 2, both models
     python benchmarks/bench_ddp.py --quick               # fewer steps and repetitions
