@@ -85,13 +85,7 @@ def _start(state: State) -> None:
     detected = time.monotonic()
     if runtime.membership() is None:
         _recover(state, "join", detected)
-        return
-    try:
-        state.sync()
-        state.restore()
-    except Exception as error:  # noqa: BLE001 - filtered just below
-        if not is_membership_failure(error):
-            raise
+    elif not _synced(state):
         _recover(state, "failure", detected)
 
 
@@ -104,16 +98,22 @@ def _recover(state: State, reason: str, detected: float) -> None:
         except MembershipClosed as closed:
             _save_if_asked(state, closed)
             raise
-        try:
-            state.sync()
-            state.restore()
-        except Exception as error:  # noqa: BLE001 - filtered just below
-            if not is_membership_failure(error):
-                raise
-            reason = "failure"
-            continue
-        state._reformed()
-        return
+        if _synced(state):
+            state._reformed()
+            return
+        reason = "failure"
+
+
+def _synced(state: State) -> bool:
+    """Synchronise and restore the committed state; False when a member failed meanwhile."""
+    try:
+        state.sync()
+        state.restore()
+    except Exception as error:  # noqa: BLE001 - filtered just below
+        if not is_membership_failure(error):
+            raise
+        return False
+    return True
 
 
 def _save_if_asked(state: State, closed: MembershipClosed) -> None:
