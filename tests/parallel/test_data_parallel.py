@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -33,7 +34,7 @@ def _worker_gradients(cfg: dict) -> dict:
         for micro in range(cfg.get("micro", 1)):
             x, y = data(cfg["model"], cfg["samples"], seed=step * 10 + micro)
             start, stop = share_bounds(cfg["samples"], px.size(), px.rank())
-            context = model.no_sync() if cfg.get("no_sync_first") and micro == 0 else _null()
+            context = model.no_sync() if cfg.get("no_sync_first") and micro == 0 else contextlib.nullcontext()
             with context:
                 loss = F.cross_entropy(model(x[start:stop]), y[start:stop]) / cfg.get("micro", 1)
                 loss.backward()
@@ -44,11 +45,6 @@ def _worker_gradients(cfg: dict) -> dict:
         "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
         "threshold": model.fusion_threshold_mb,
     }
-
-
-class _null:
-    def __enter__(self) -> None: ...
-    def __exit__(self, *exc: object) -> None: ...
 
 
 def _reference(cfg: dict, world: int) -> dict:

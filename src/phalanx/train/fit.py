@@ -131,7 +131,7 @@ def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
     for batch in state.loader:
         _apply_schedule(state, lr_schedule)
         hooks.on_step_begin(state.step, state)
-        _train_step(state, batch, loss_fn, state.metrics)
+        _train_step(state, batch, loss_fn)
         state.step, state.global_step = state.step + 1, state.global_step + 1
         samples += state.loader.last_global_batch_size
         if state.step % LOG_EVERY_STEPS == 0 or not logs:
@@ -144,8 +144,9 @@ def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
     return True
 
 
-def _train_step(state: TrainState, batch: Any, loss_fn: Callable, metrics: list[Metric]) -> None:
+def _train_step(state: TrainState, batch: Any, loss_fn: Callable) -> None:
     inputs, targets = _split(batch)
+    metrics = state.metrics
     state.optimizer.zero_grad(set_to_none=True)
     if state.exact is not None:
         for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
