@@ -28,6 +28,9 @@ class BucketState(enum.Enum):
     DONE = "done"
 
 
+#: Gradients are fused into buckets of about this size by default; see ``benchmarks/RESULTS.md``.
+DEFAULT_FUSION_THRESHOLD_MB = 25.0
+
 #: The first bucket of a step closes at this size (when the threshold is finite and larger), so
 #: that communication starts early in backward whatever the threshold; see ``benchmarks/RESULTS.md``.
 FIRST_BUCKET_MB = 1.0

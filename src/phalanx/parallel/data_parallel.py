@@ -13,9 +13,8 @@ from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel import batchnorm, compression as compressions, replicate
 from phalanx.parallel.autotune import FusionTuner
+from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.reducer import GradientReducer
-
-DEFAULT_FUSION_THRESHOLD_MB = 25.0
 
 
 class DataParallel(nn.Module):
@@ -46,7 +45,9 @@ class DataParallel(nn.Module):
         threshold = self.tuner.initial if self.tuner else _validate_threshold(fusion_threshold_mb)
         self._micro_step = 0
         self._skip_sync = False
-        self._checked_batch = False
+        #: Warn once if the first local batch is too small for local batch-norm statistics.
+        #: Reproducible mode turns it off: there, per-micro-batch statistics are the design.
+        self.check_batchnorm_batch = True
         if runtime.size() > 1 and broadcast:
             replicate.check_same_structure(self.module)
             replicate.broadcast_state(self.module)
@@ -81,8 +82,8 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         local_samples = _batch_size(args, kwargs)
-        if not self._checked_batch:
-            self._checked_batch = True
+        if self.check_batchnorm_batch:
+            self.check_batchnorm_batch = False
             batchnorm.warn_if_small_local_batch(self.module, local_samples)
         if self.reducer is not None and self.training and torch.is_grad_enabled():
             self._micro_step += 1
