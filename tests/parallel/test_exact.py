@@ -98,3 +98,25 @@ def _custom_loop() -> str:
 
 def test_the_documented_custom_loop_is_bitwise_reproducible_too() -> None:
     assert run_workers(_custom_loop, 3, timeout=120) == run_workers(_custom_loop, 1, timeout=120) * 3
+
+
+def _loop_with_idle_ranks_and_redone_steps() -> tuple[str, int]:
+    """Global batch 8 = 4 micro-batches, the last batch 1 (three of four workers idle); the loss jumps 1000x."""
+    model = px.DataParallel(_model())
+    exact = px.ExactGradients(model, micro_batch_size=MICRO, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = px.data.DistributedLoader(_dataset(), 8, micro_batch_size=MICRO, seed=0)
+    factors = iter([1.0] * 4 + [1000.0] * 3 + [1e-3] * 3 + [1.0] * 1000)
+    for inputs, targets in loader:
+        factor = next(factors)
+        optimizer.zero_grad()
+        exact.backward(lambda out, y: F.cross_entropy(out, y) * factor, (inputs,), targets,
+                       loader.last_global_batch_size)
+        optimizer.step()
+    return _digest(model.state_dict()), exact.redone_steps
+
+
+def test_workers_without_a_micro_batch_and_redone_steps_keep_the_bits() -> None:
+    reference = run_workers(_loop_with_idle_ranks_and_redone_steps, 1, timeout=120)[0]
+    assert reference[1] >= 3  # calibration, the jump up, the jump down
+    assert run_workers(_loop_with_idle_ranks_and_redone_steps, 4, timeout=180) == [reference] * 4

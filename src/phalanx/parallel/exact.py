@@ -81,7 +81,10 @@ class ExactGradients:
         self.step = 0
         self.redone_steps = 0
         self._calibrated = False
-        self._reducer = FixedPointReducer([p for p in model.parameters() if p.requires_grad], fusion_threshold_mb)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigurationError("ExactGradients needs a model with at least one parameter that requires grad.")
+        self._reducer = FixedPointReducer(params, fusion_threshold_mb)
         self._running_stats = RunningStatsFolding(model)
 
     def backward(self, loss_fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], targets: torch.Tensor,
@@ -97,7 +100,6 @@ class ExactGradients:
             results = self._run_pass(loss_fn, inputs, targets, micro, total_micro)
             if self._reducer.finish_pass():
                 break
-            self._running_stats.discard()
             self._reducer.recalibrate()
             self.redone_steps += 1
             self._calibrated = True
@@ -115,19 +117,18 @@ class ExactGradients:
     def _run_pass(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                   micro: list[MicroBatch], total_micro: int) -> list:
         """Forward and backward over this rank's micro-batches, summing into the reducer."""
-        calibrate = not self._calibrated
-        self._reducer.begin_pass(total_micro, calibrate=calibrate)
-        self._running_stats.begin_pass(total_micro)
-        results = [self._run_one(loss_fn, inputs, targets, part, last=k == len(micro) - 1, send=not calibrate)
+        table = self._reducer.begin_pass(total_micro, calibrate=not self._calibrated,
+                                         payload_numel=self._running_stats.table_numel(total_micro))
+        self._running_stats.begin_pass(table)
+        results = [self._run_one(loss_fn, inputs, targets, part, last=k == len(micro) - 1)
                    for k, part in enumerate(micro)]
         self._running_stats.end_recording()
-        if not micro and not calibrate:
-            self._running_stats.launch()
+        if not micro:
             self._reducer.launch_without_data()
         return results
 
     def _run_one(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
-                 part: MicroBatch, last: bool, send: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+                 part: MicroBatch, last: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
         torch.manual_seed(mix_seed(self.seed, self.step, part.index))
         self._reducer.begin_micro_batch(part.size, last)
         self._running_stats.begin_micro_batch(part.index)
@@ -136,8 +137,6 @@ class ExactGradients:
         with context:
             outputs = self.model(*(x[rows] for x in inputs))
             loss = loss_fn(outputs, targets[rows])
-            if last and send:
-                self._running_stats.launch()
             loss.backward()
         self._reducer.end_micro_batch()
         return _detach(outputs), targets[rows], loss.detach()

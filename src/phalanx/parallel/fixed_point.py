@@ -95,12 +95,17 @@ class _Bucket:
         # float16 cannot hold scaled gradients (its largest value is 65504); other dtypes can.
         self._compute_dtype = torch.float32 if self.grads.dtype == torch.float16 else self.grads.dtype
         self.integers = torch.empty(self.numel, dtype=torch.int64, device=self.grads.device)  # scratch
-        self.sums = self.new_sums()
+        self.sums = self.new_sums(0)
         self.local_max = torch.zeros(len(members), dtype=torch.float64)
 
-    def new_sums(self) -> torch.Tensor:
-        """A zeroed buffer for the int64 sums and the trailer."""
-        return torch.zeros(self.numel + _FLAGS * len(self.param_indices), dtype=torch.int64, device=self.grads.device)
+    def new_sums(self, payload_numel: int) -> torch.Tensor:
+        """A zeroed buffer for the int64 sums, the trailer and ``payload_numel`` integers of payload."""
+        return torch.zeros(self.numel + _FLAGS * len(self.param_indices) + payload_numel, dtype=torch.int64,
+                           device=self.grads.device)
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.sums[self.numel + _FLAGS * len(self.param_indices) :]
 
     def set_exponents(self, exponents: torch.Tensor) -> None:
         """Scales per tensor (for the checks) and per element (to quantise, and to publish)."""
@@ -125,7 +130,7 @@ class _Bucket:
 
     @property
     def trailer(self) -> torch.Tensor:
-        return self.sums[self.numel :].view(_FLAGS, len(self.param_indices))
+        return self.sums[self.numel : self.numel + _FLAGS * len(self.param_indices)].view(_FLAGS, -1)
 
 
 class FixedPointReducer:
@@ -160,18 +165,28 @@ class FixedPointReducer:
 
     # --- one pass ---------------------------------------------------------------------------
 
-    def begin_pass(self, total_micro_batches: int, calibrate: bool = False) -> None:
-        """Start summing a step whose global batch has ``total_micro_batches`` micro-batches."""
+    def begin_pass(self, total_micro_batches: int, calibrate: bool = False, payload_numel: int = 0) -> torch.Tensor:
+        """Start summing a step whose global batch has ``total_micro_batches`` micro-batches.
+
+        Returns ``payload_numel`` zeroed integers that travel in the first bucket and are summed
+        like the gradients: a rider for other exact per-step data (batch-norm statistics), which
+        then costs no collective of its own. They hold the sums after :meth:`finish_pass`.
+        """
         self._limit_bits = term_limit_bits(total_micro_batches)
         self._calibrate = calibrate
         self._next_launch = 0
         for bucket in self._buckets:
+            payload = payload_numel if bucket.index == 0 else 0
             # After a pass that never finished (a group broke: elastic recovery), a collective of the
             # old group may still hold the buffer, so it gets a fresh one.
-            bucket.sums = bucket.new_sums() if self._in_flight else bucket.sums.zero_()
+            if self._in_flight or bucket.payload.numel() != payload:
+                bucket.sums = bucket.new_sums(payload)
+            else:
+                bucket.sums.zero_()
             bucket.local_max.zero_()
             bucket.used = [0] * len(bucket.param_indices)
             bucket.handle, bucket.state = None, BucketState.DONE
+        return self._buckets[0].payload
 
     def begin_micro_batch(self, samples: int, last: bool) -> None:
         """Point every ``.grad`` at its zeroed bucket slot, so that autograd accumulates in place."""

@@ -3,11 +3,11 @@
 During a micro-batch's forward each layer runs with momentum 1, so its running statistics become
 that micro-batch's mean and unbiased variance, computed by the layer's own kernel. They are
 recorded into the micro-batch's row of a table with one row per micro-batch of the global batch,
-and the layer's state is put back after the last forward. The table travels as the int64 bit
-patterns of its float64 entries in one sum allreduce: each row is written by exactly one rank and
-is zero elsewhere, so the sum delivers every row bit for bit, on every rank. The rows are then
-folded into the running statistics in index order with each layer's own momentum, which gives the
-same bits for any number of workers.
+and the layer's state is put back after the last backward. The table travels as the int64 bit
+patterns of its float64 entries, summed with the gradients (it rides in the first bucket of the
+fixed-point reducer): each row is written by exactly one rank and is zero elsewhere, so the sum
+delivers every row bit for bit, on every rank. The rows are then folded into the running
+statistics in index order with each layer's own momentum, the same bits for any number of workers.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from phalanx.comm import collectives
 
 
 class RunningStatsFolding:
-    """Records, exchanges and folds the running statistics of a model's batch-norm layers."""
+    """Records and folds the running statistics of a model's batch-norm layers."""
 
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
@@ -33,22 +32,26 @@ class RunningStatsFolding:
         self._offsets = [sum(widths[:k]) for k in range(len(widths) + 1)]
         self._table = torch.zeros(0, dtype=torch.int64)
         self._row = -1
-        self._handle: Any = None
         self._saved: list[tuple[torch.Tensor, ...]] = []
         self._momenta: dict[int, float | None] = {}
         for layer in self.layers:
             layer.register_forward_pre_hook(self._before)
             layer.register_forward_hook(self._after)
 
-    def begin_pass(self, total_micro_batches: int) -> None:
-        """Start recording one pass over this rank's micro-batches (a redone step starts again)."""
+    def table_numel(self, total_micro_batches: int) -> int:
+        """Integers the table of a step with ``total_micro_batches`` micro-batches takes."""
+        return total_micro_batches * self._offsets[-1]
+
+    def begin_pass(self, table: torch.Tensor) -> None:
+        """Start recording one pass over this rank's micro-batches into ``table`` (zeroed int64).
+
+        A redone step starts again with a fresh table.
+        """
         if not self.layers:
             return
         self._saved = [(l.running_mean.clone(), l.running_var.clone(), l.num_batches_tracked.clone())
                        for l in self.layers]
-        self._table = torch.zeros(total_micro_batches, self._offsets[-1], dtype=torch.int64,
-                                  device=self.layers[0].running_mean.device)
-        self._handle = None
+        self._table = table.view(-1, self._offsets[-1])
 
     def begin_micro_batch(self, index: int) -> None:
         """Record the coming forward as micro-batch ``index`` (NaN marks layers that do not run)."""
@@ -64,23 +67,11 @@ class RunningStatsFolding:
             layer.running_var.copy_(var)
             layer.num_batches_tracked.copy_(count)
 
-    def launch(self) -> None:
-        """Start the exchange of every rank's rows (after the pass's last forward)."""
-        if self.layers:
-            self._handle = collectives.allreduce_(self._table, "sum", async_op=True, check=False)
-
-    def discard(self) -> None:
-        """Wait for an exchange whose step is being redone, and drop it."""
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-
     def fold(self) -> None:
-        """Wait for the exchange and fold every micro-batch's statistics in, in index order."""
+        """Fold every micro-batch's statistics in, in index order, once the table has been summed."""
         if not self.layers:
             return
-        rows = self._handle.wait().view(torch.float64)
-        self._handle = None
+        rows = self._table.view(torch.float64)
         with torch.no_grad():
             state = torch.cat([torch.cat([l.running_mean, l.running_var]) for l in self.layers]).double()
             ran = ~torch.isnan(rows[:, self._offsets[:-1]])  # micro-batch x layer
