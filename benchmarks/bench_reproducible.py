@@ -1,9 +1,9 @@
 """Step time of reproducible mode against the default engine, in the same worker processes.
 
-    phalanx run -n 2 benchmarks/bench_reproducible.py [--reps 7] [--steps 15] [--micro 16]
+    phalanx run -n 2 benchmarks/bench_reproducible.py [--model cnn|mlp] [--reps 7] [--steps 15] [--micro 16]
 
-Both variants train the benchmark CNN of bench_ddp.py (BatchNorm, 3x32x32 inputs, global batch
-64 = 32 per worker at world size 2) with SGD. "default" is px.DataParallel and one backward over
+Both variants train a benchmark model of bench_ddp.py with SGD: by default the CNN (BatchNorm,
+3x32x32 inputs, global batch 64 = 32 per worker at world size 2), or the 5.25 M-parameter MLP. "default" is px.DataParallel and one backward over
 the local batch; "reproducible" is px.ExactGradients over virtual micro-batches of --micro samples
 (16 by default: bitwise the same result on 1, 2 or 4 workers). The variants alternate, each
 repetition measuring both (order rotated); reported are the medians of the per-repetition step
@@ -26,6 +26,7 @@ parser.add_argument("--reps", type=int, default=7)
 parser.add_argument("--steps", type=int, default=15)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--micro", type=int, default=16)
+parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
 parser.add_argument("--global-batch", type=int, default=64)
 args = parser.parse_args()
 
@@ -37,13 +38,13 @@ torch.set_num_threads(1)
 px.init()
 start, stop = px.data.share_bounds(args.global_batch, px.size(), px.rank(), args.micro)
 generator = torch.Generator().manual_seed(0)
-x = torch.randn(args.global_batch, 3, 32, 32, generator=generator)[start:stop]
+x = torch.randn(args.global_batch, *bench_ddp.MODEL_SPECS[args.model]["input"], generator=generator)[start:stop]
 y = torch.randint(0, 10, (args.global_batch,), generator=generator)[start:stop]
 
 
 def make(variant: str):
     torch.manual_seed(0)
-    model = px.DataParallel(bench_ddp.build_model("cnn"))
+    model = px.DataParallel(bench_ddp.build_model(args.model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if variant == "default":
         def step() -> None:
@@ -82,7 +83,7 @@ for rep in range(args.reps):
 
 if px.is_master():
     ratios = [r / d for r, d in zip(results["reproducible"], results["default"])]
-    print(f"world size {px.size()}, CNN, global batch {args.global_batch}, micro-batch {args.micro}, "
+    print(f"world size {px.size()}, {args.model.upper()}, global batch {args.global_batch}, micro-batch {args.micro}, "
           f"{args.reps} reps x {args.steps} steps")
     for name, values in results.items():
         print(f"{name:13s} step {statistics.median(values) * 1e3:7.1f} ms  "

@@ -3,10 +3,10 @@
 During a micro-batch's forward each layer runs with momentum 1, so its running statistics become
 that micro-batch's mean and unbiased variance, computed by the layer's own kernel. They are
 recorded into the micro-batch's row of a table with one row per micro-batch of the global batch,
-and the layer's state is put back after the last backward. The table travels as the int64 bit
-patterns of its float64 entries, summed with the gradients (it rides in the first bucket of the
-fixed-point reducer): each row is written by exactly one rank and is zero elsewhere, so the sum
-delivers every row bit for bit, on every rank. The rows are then folded into the running
+and the layer's state is put back after the last backward. The table is summed with the
+gradients (it rides in the first bucket of the fixed-point reducer): each row is written by
+exactly one rank and is zero elsewhere, and adding zeros changes no float64 value (``-0.0`` is
+recorded as ``+0.0``), so the sum delivers every row bit for bit, on every rank. The rows are then folded into the running
 statistics in index order with each layer's own momentum, the same bits for any number of workers.
 """
 
@@ -30,7 +30,7 @@ class RunningStatsFolding:
         widths = [2 * layer.num_features for layer in self.layers]
         self._widths = torch.tensor(widths)
         self._offsets = [sum(widths[:k]) for k in range(len(widths) + 1)]
-        self._table = torch.zeros(0, dtype=torch.int64)
+        self._table = torch.zeros(0, dtype=torch.float64)
         self._row = -1
         self._saved: list[tuple[torch.Tensor, ...]] = []
         self._momenta: dict[int, float | None] = {}
@@ -43,7 +43,7 @@ class RunningStatsFolding:
         return total_micro_batches * self._offsets[-1]
 
     def begin_pass(self, table: torch.Tensor) -> None:
-        """Start recording one pass over this rank's micro-batches into ``table`` (zeroed int64).
+        """Start recording one pass over this rank's micro-batches into ``table`` (zeroed float64).
 
         A redone step starts again with a fresh table.
         """
@@ -57,7 +57,7 @@ class RunningStatsFolding:
         """Record the coming forward as micro-batch ``index`` (NaN marks layers that do not run)."""
         self._row = index
         if self.layers:
-            self._table[index].view(torch.float64).fill_(math.nan)
+            self._table[index].fill_(math.nan)
 
     def end_recording(self) -> None:
         """Stop recording and undo the layers' own updates (after backward: autograd saved them)."""
@@ -71,7 +71,7 @@ class RunningStatsFolding:
         """Fold every micro-batch's statistics in, in index order, once the table has been summed."""
         if not self.layers:
             return
-        rows = self._table.view(torch.float64)
+        rows = self._table
         with torch.no_grad():
             state = torch.cat([torch.cat([l.running_mean, l.running_var]) for l in self.layers]).double()
             ran = ~torch.isnan(rows[:, self._offsets[:-1]])  # micro-batch x layer
@@ -102,6 +102,7 @@ class RunningStatsFolding:
         if id(layer) in self._momenta:
             layer.momentum = self._momenta.pop(id(layer))
             offset, c = self._offsets[self._index[id(layer)]], layer.num_features
-            row = self._table[self._row].view(torch.float64)
-            row[offset : offset + c].copy_(layer.running_mean)
-            row[offset + c : offset + 2 * c].copy_(layer.running_var)
+            stats = self._table[self._row, offset : offset + 2 * c]
+            stats[:c].copy_(layer.running_mean)
+            stats[c:].copy_(layer.running_var)
+            stats.add_(0.0)  # -0.0 becomes +0.0, as it would in the sum over ranks
