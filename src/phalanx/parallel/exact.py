@@ -5,11 +5,12 @@ Three things make a data-parallel gradient depend on the world size, and each is
 * **Kernel batch size.** A global batch is cut into fixed *virtual micro-batches* of
   ``micro_batch_size`` samples, numbered in order; each worker runs forward and backward on its
   contiguous range of them, one micro-batch at a time. The cut depends on the batch alone.
-* **Summation order.** Gradients are summed as int64 fixed point with a power-of-two scale per
-  tensor that every rank agrees on (:mod:`phalanx.parallel.fixed_point`), locally and by an
-  allreduce that overlaps the last micro-batch's backward. Integer addition is exact, so the sum
-  has the same bits however the micro-batches are spread over workers. A step whose scales turn
-  out wrong (the first, and rarely another) is redone, identically everywhere.
+* **Summation order.** Gradients are summed in fixed point (integers, held exactly in float64)
+  with a power-of-two scale per tensor that every rank agrees on
+  (:mod:`phalanx.parallel.fixed_point`), locally and by an allreduce that overlaps the last
+  micro-batch's backward. Adding integers is exact, so the sum has the same bits however the
+  micro-batches are spread over workers. A step whose scales turn out wrong (the first, and
+  rarely another) is redone, identically everywhere.
 * **Randomness and batch norm.** The random generator is seeded from ``(seed, step, index)``
   before each micro-batch, so dropout does not depend on which worker runs it. Batch norm
   normalises by each micro-batch's statistics; the running statistics are recorded per
@@ -63,7 +64,8 @@ class ExactGradients:
     Use it in place of ``loss.backward()``: ``exact.backward(loss_fn, inputs, targets,
     global_batch_size)`` leaves in ``.grad`` the mean gradient over the global batch, with the
     same bits on 1, 2, 3 or N workers. ``loss_fn`` must return the mean loss of its samples.
-    ``state_dict()`` carries the step counter and scales; checkpoint it to resume bitwise.
+    ``state_dict()`` carries the step counter and the fixed-point exponents; checkpoint it to resume
+    bitwise. ``redone_steps`` counts recomputed passes (the first step's calibration included).
     """
 
     def __init__(self, model: nn.Module, micro_batch_size: int, seed: int = 0, threads: int | None = 1,
@@ -120,9 +122,11 @@ class ExactGradients:
         table = self._reducer.begin_pass(total_micro, calibrate=not self._calibrated,
                                          payload_numel=self._running_stats.table_numel(total_micro))
         self._running_stats.begin_pass(table)
-        results = [self._run_one(loss_fn, inputs, targets, part, last=k == len(micro) - 1)
-                   for k, part in enumerate(micro)]
-        self._running_stats.end_recording()
+        try:
+            results = [self._run_one(loss_fn, inputs, targets, part, last=k == len(micro) - 1)
+                       for k, part in enumerate(micro)]
+        finally:
+            self._running_stats.end_recording()
         if not micro:
             self._reducer.launch_without_data()
         return results
