@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,13 @@ def test_workers_without_a_micro_batch_and_redone_steps_keep_the_bits() -> None:
     reference = run_workers(_loop_with_idle_ranks_and_redone_steps, 1, timeout=120)[0]
     assert reference[1] >= 3  # calibration, the jump up, the jump down
     assert run_workers(_loop_with_idle_ranks_and_redone_steps, 4, timeout=180) == [reference] * 4
+
+
+def test_reproducible_mode_does_not_warn_about_small_batch_norm_batches() -> None:
+    model = px.DataParallel(_model())
+    exact = px.ExactGradients(model, micro_batch_size=MICRO)
+    x, y = _dataset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exact.backward(F.cross_entropy, (x[:8],), y[:8], global_batch_size=8)
+    assert not [w for w in caught if "batch-norm" in str(w.message)]
