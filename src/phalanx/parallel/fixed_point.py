@@ -342,7 +342,8 @@ def _runs_of_small_tensors(lengths: list[int], streamed: list[bool]) -> list[tup
 
 
 def _largest_entries(views: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's largest absolute entry (NaN if it holds one), in two kernels where torch can."""
-    if hasattr(torch, "_foreach_max") and all(view.numel() for view in views):
-        return torch.stack(torch._foreach_max(torch._foreach_abs(views)))
-    return torch.stack([view.abs().amax() if view.numel() else view.new_zeros(()) for view in views])
+    """Each tensor's largest absolute entry (NaN if it holds one), in one pass over each."""
+    zero = torch.zeros((), dtype=views[0].dtype, device=views[0].device)
+    extremes = [torch.aminmax(view) if view.numel() else (zero, zero) for view in views]
+    smallest, largest = torch.stack([e[0] for e in extremes]), torch.stack([e[1] for e in extremes])
+    return torch.maximum(largest, smallest.neg())
