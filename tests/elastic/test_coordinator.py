@@ -8,7 +8,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from phalanx.comm.runtime import Keys
+from phalanx.comm.membership import Keys
 from phalanx.elastic.coordinator import Coordinator, CoordinatorConfig
 
 

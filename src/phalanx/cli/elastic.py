@@ -30,7 +30,7 @@ from phalanx.cli.launcher import (
     WorkerSpec,
     describe_exit,
 )
-from phalanx.comm.runtime import MEMBER_ENV, START_TIMEOUT_S, Keys
+from phalanx.comm.membership import MEMBER_ENV, START_TIMEOUT_S, Keys
 
 MEMBER_COUNTER = Keys.PREFIX + "next_member"
 STOP_WAIT_S = 60.0  # after the job failed: how long survivors get to save a checkpoint and exit

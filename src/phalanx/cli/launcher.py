@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Deque, Iterator, Mapping, Sequence
 
+from phalanx.comm.membership import ELASTIC_ENV
 from phalanx.errors import ConfigurationError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -177,7 +178,7 @@ class LaunchConfig:
         if self.timeout_s is not None:
             variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
         if self.elastic:
-            variables["PHALANX_ELASTIC"] = "1"
+            variables[ELASTIC_ENV] = "1"
         if not is_loopback(self.master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
             interface = interface_towards(self.master_addr)
             if interface:  # Gloo would otherwise pick the address the host name resolves to

@@ -18,7 +18,8 @@ Under ``phalanx run --min-workers K`` (or ``--nnodes MIN:MAX`` across hosts)::
 See ``docs/elastic.md``.
 """
 
-from phalanx.comm.runtime import Membership, MembershipClosed, membership
+from phalanx.comm.membership import Membership, MembershipClosed
+from phalanx.comm.runtime import membership
 from phalanx.comm.runtime import is_elastic as enabled
 from phalanx.elastic.loop import is_membership_failure, run
 from phalanx.elastic.state import MembershipChanged, Recovery, State

@@ -1,7 +1,7 @@
 """The coordinator: decides who belongs to each generation of an elastic job.
 
 It runs as a thread in the launcher of node 0, beside the rendezvous store, so it outlives every
-worker. Everything reaches it through the store's inbox queue (see :class:`phalanx.comm.runtime.Keys`):
+worker. Everything reaches it through the store's inbox queue (see :class:`phalanx.comm.membership.Keys`):
 
 - ``spawn`` and ``exit`` from the launchers, when they start a worker and when one exits;
 - ``request`` from workers asking for a place in the next generation: founders at ``px.init()``
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from phalanx.comm.runtime import Keys
+from phalanx.comm.membership import Keys
 
 POLL_INTERVAL_S = 0.02
 HEARTBEAT_POLL_S = 0.2

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from phalanx.comm import runtime
-from phalanx.comm.runtime import Keys, MembershipClosed
+from phalanx.comm.membership import Keys, MembershipClosed
 from phalanx.elastic.state import MembershipChanged, State
 from phalanx.errors import CollectiveError, CollectiveTimeoutError
 

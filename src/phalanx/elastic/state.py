@@ -301,7 +301,7 @@ def _reshard(loader: DistributedLoader) -> None:
 
 def _check_membership(version: int) -> None:
     """One store read per commit; raise MembershipChanged when this boundary ends the generation."""
-    from phalanx.comm.runtime import Keys
+    from phalanx.comm.membership import Keys
 
     view = runtime.membership()
     if view is None:

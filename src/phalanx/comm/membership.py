@@ -1,0 +1,213 @@
+"""The elastic membership protocol, worker side: store keys, generations, heartbeats, aborts.
+
+A worker of an elastic job (``phalanx run --min-workers K``) talks to the coordinator in the
+launcher of node 0 through the rendezvous store: it pushes requests onto an inbox queue and waits
+for an answer key; a watchdog thread beats a heartbeat key and watches the generation's "broken"
+flag. When a generation breaks, the watchdog shuts down the group's Gloo sockets, so that a
+collective pending on it fails at once, here and on the peers, not at the timeout.
+:mod:`phalanx.comm.runtime` builds process groups from the answers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.errors import CollectiveTimeoutError, WorkerFailedError
+
+ELASTIC_ENV = "PHALANX_ELASTIC"
+MEMBER_ENV = "PHALANX_MEMBER_ID"
+HEARTBEAT_INTERVAL_S = 0.25
+WATCH_INTERVAL_S = 0.05
+START_TIMEOUT_S = 60.0  # generation 0 waits at least this long for workers still starting
+
+
+class Keys:
+    """The store keys of the elastic protocol, shared by workers and the launcher's coordinator."""
+
+    PREFIX = "phalanx/elastic/"
+    INBOX = PREFIX + "inbox"  # a queue of JSON messages to the coordinator
+    STATUS = PREFIX + "status"  # "failed: <why>" once the job fell below its minimum
+    COMPLETED = PREFIX + "completed"  # set once any worker exited with 0
+
+    @staticmethod
+    def answer(member: int, seq: int) -> str:
+        return f"{Keys.PREFIX}answer/{member}/{seq}"
+
+    @staticmethod
+    def heartbeat(member: int) -> str:
+        return f"{Keys.PREFIX}heartbeat/{member}"
+
+    @staticmethod
+    def kill(member: int) -> str:
+        return f"{Keys.PREFIX}kill/{member}"
+
+    @staticmethod
+    def signal(generation: int) -> str:
+        """Non-zero once generation ``generation`` should end (a failure, or joiners waiting)."""
+        return f"{Keys.PREFIX}g{generation}/signal"
+
+    @staticmethod
+    def broken(generation: int) -> str:
+        """Non-zero once generation ``generation`` lost a member: its collectives cannot complete."""
+        return f"{Keys.PREFIX}g{generation}/broken"
+
+    @staticmethod
+    def boundary(generation: int) -> str:
+        """The commit after which generation ``generation`` ends to admit joiners (agreed by compare_set)."""
+        return f"{Keys.PREFIX}g{generation}/boundary"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation of an elastic job as this worker sees it.
+
+    ``members`` are the launcher-assigned member ids in rank order; ``lost`` and ``joined``
+    compare with the previous generation. ``event_time`` is the wall-clock time (on node 0) of
+    the event that ended the previous generation: a member's loss, or the first request.
+    """
+
+    generation: int
+    rank: int
+    size: int
+    members: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    reason: str = "start"
+    event_time: float = 0.0
+
+
+class MembershipClosed(WorkerFailedError):
+    """The coordinator gave this worker no place in the job.
+
+    ``reason`` is ``"below-min"`` (too few workers are left), ``"finished"`` (the job ended before
+    this worker could join) or ``"excluded"`` (this worker was declared dead). ``save_checkpoint``
+    is true on the one survivor chosen to save the last committed state.
+    """
+
+    def __init__(self, message: str, reason: str, save_checkpoint: bool = False):
+        super().__init__(message)
+        self.reason = reason
+        self.save_checkpoint = save_checkpoint
+
+
+class ElasticClient:
+    """This worker's side of the protocol: requests, heartbeats, and aborting a broken generation."""
+
+    def __init__(self, store: Any, member: int):
+        self.store = store
+        self.member = member
+        self.seq = 0
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._sockets: dict[str, int] = {}
+        self._aborted = -1
+        self._stop = threading.Event()
+        self._watch_store = store.clone()  # a connection of its own: stores are not shared across threads
+        self._watch_store.add(Keys.heartbeat(member), 1)
+        self._thread = threading.Thread(target=self._watch, name="phalanx-elastic-watchdog", daemon=True)
+        self._thread.start()
+
+    def request(self, reason: str, generation: int, timeout_s: float) -> dict[str, Any]:
+        """Ask the coordinator for a place in the generation after ``generation``; wait for the answer."""
+        try:
+            self.seq = int(self.store.add(f"{Keys.PREFIX}seq/{self.member}", 1))  # unique even after a re-init
+            message = {"type": "request", "member": self.member, "seq": self.seq, "generation": generation,
+                       "reason": reason, "time": time.time()}
+            key = Keys.answer(self.member, self.seq)
+            self.store.queue_push(Keys.INBOX, json.dumps(message))
+            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+            return json.loads(self.store.get(key))
+        except (RuntimeError, OSError) as error:
+            raise CollectiveTimeoutError(
+                f"elastic rendezvous of member {self.member} failed: no answer from the launcher's coordinator "
+                f"within {timeout_s:.0f}s ({str(error).splitlines()[0][:200]}). Check that the launcher of node 0 "
+                "is still running."
+            ) from error
+
+    def track(self, generation: int, sockets: dict[str, int]) -> None:
+        """Remember the generation this worker is in now, and its group's connections."""
+        with self._lock:
+            self._generation, self._sockets = generation, sockets
+
+    def abort(self, generation: int) -> None:
+        """Shut down the connections of ``generation`` if it is the current one (once)."""
+        with self._lock:
+            if generation < 0 or generation != self._generation or self._aborted == generation:
+                return
+            self._aborted = generation
+            shutdown_sockets(self._sockets)
+
+    def _watch(self) -> None:
+        last_beat = 0.0
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            try:
+                now = time.monotonic()
+                if now - last_beat >= HEARTBEAT_INTERVAL_S:
+                    self._watch_store.add(Keys.heartbeat(self.member), 1)
+                    last_beat = now
+                generation = self._generation
+                if generation >= 0 and self._aborted != generation and \
+                        self._watch_store.add(Keys.broken(generation), 0) > 0:
+                    self.abort(generation)
+            except Exception:  # noqa: BLE001 - the store is gone (the launcher ended): nothing to watch
+                self._stop.wait(1.0)
+
+    def leave(self) -> None:
+        """Tell the coordinator this worker is done: its silence from now on is not a failure."""
+        try:
+            self.store.queue_push(Keys.INBOX, json.dumps({"type": "leave", "member": self.member}))
+        except (RuntimeError, OSError):
+            pass  # the launcher reports the exit anyway
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+def socket_inodes() -> dict[str, int]:
+    """This process's open sockets as ``{"socket:[inode]": fd}`` (Linux; empty elsewhere)."""
+    found: dict[str, int] = {}
+    if not sys.platform.startswith("linux"):
+        return found
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[target] = int(name)
+    return found
+
+
+def shutdown_sockets(sockets: dict[str, int]) -> None:
+    """Shut down (not close) the connected sockets among ``sockets`` still open under the same fd.
+
+    The owner (Gloo) still closes them; shutting down makes every pending read or write on them
+    fail now, on this side and on the peer's. Listening sockets are left alone.
+    """
+    for inode, fd in sockets.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != inode:
+                continue  # closed meanwhile, the number maybe reused
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
