@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.cli.launcher import LaunchConfig, describe_exit, exit_code_of, split_lines
+from phalanx.cli.config import LaunchConfig
+from phalanx.cli.workers import describe_exit, exit_code_of, split_lines
 from phalanx.cli.main import build_parser, main, split_run_argv
 
 LAUNCH_TIMEOUT_S = 60

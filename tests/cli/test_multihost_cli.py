@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.cli.launcher import LaunchConfig, host_store, interface_towards, is_loopback
+from phalanx.cli.config import LaunchConfig
+from phalanx.cli.network import host_store, interface_towards, is_loopback
 from phalanx.cli.main import main, parse_nnodes
 from tests.cli.test_launcher import phalanx_command, worker_env, write_script
 

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from phalanx.cli.launcher import die_with_launcher  # the launcher dies with the test, its workers with it
+from phalanx.cli.workers import die_with_launcher  # the launcher dies with the test, its workers with it
 
 JOB = Path(__file__).with_name("job.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -19,17 +19,10 @@ import signal
 import time
 from typing import IO
 
-from phalanx.cli.launcher import (
-    DEFAULT_STORE_TIMEOUT_S,
-    POLL_INTERVAL_S,
-    LaunchConfig,
-    LaunchResult,
-    Supervisor,
-    Worker,
-    WorkerFailure,
-    WorkerSpec,
-    describe_exit,
-)
+from phalanx.cli.config import LaunchConfig, WorkerSpec
+from phalanx.cli.launcher import Supervisor
+from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
+from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit
 from phalanx.comm.membership import MEMBER_ENV, START_TIMEOUT_S, Keys
 
 MEMBER_COUNTER = Keys.PREFIX + "next_member"

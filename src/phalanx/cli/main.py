@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from phalanx.cli.launcher import DEFAULT_GRACE_S, DEFAULT_MASTER_ADDR, LaunchConfig, launch
+from phalanx.cli.config import DEFAULT_GRACE_S, DEFAULT_MASTER_ADDR, LaunchConfig
+from phalanx.cli.launcher import launch
 from phalanx.errors import ConfigurationError
 
 PROG = "phalanx"

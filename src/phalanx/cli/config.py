@@ -1,0 +1,241 @@
+"""What ``phalanx run`` launches: the job's shape, each worker's command and environment, validation."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, interface_towards, is_loopback
+from phalanx.comm.membership import ELASTIC_ENV
+from phalanx.errors import ConfigurationError
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_GRACE_S = 5.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+
+
+# --------------------------------------------------------------------------------------------
+# What to launch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one worker: its place in the job, its command, its variables.
+
+    ``variables`` holds only what the launcher adds; :meth:`environment` layers it on top of the
+    launcher's own environment, so a restarted worker gets exactly the same setup.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    command: tuple[str, ...]
+    variables: Mapping[str, str] = field(default_factory=dict)
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The worker's full environment: ``base`` plus the launcher's variables.
+
+        ``OMP_NUM_THREADS`` defaults to 1 so N workers do not oversubscribe the host's cores.
+        """
+        env = dict(base)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.variables)
+        return env
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What ``phalanx run`` was asked to do. Validated by :meth:`validate` before anything starts.
+
+    ``nnodes`` and ``node_rank`` describe a multi-host job: one launcher per host, each starting
+    ``nproc_per_node`` workers. The job is *elastic* when ``min_workers`` or ``max_nnodes`` is set
+    (``--min-workers K``, ``--nnodes MIN:MAX``): it survives lost workers while at least
+    ``min_workers`` remain, and admits workers started later, up to ``nproc_per_node * max_nnodes``.
+    """
+
+    target: str
+    args: tuple[str, ...] = ()
+    is_module: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = 0
+    timeout_s: float | None = None
+    grace_s: float = DEFAULT_GRACE_S
+    prefix_output: bool = True
+    max_nnodes: int | None = None
+    min_workers: int | None = None
+    heartbeat_timeout_s: float | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether lost workers are survived and new ones admitted (``--min-workers``, ``--nnodes MIN:MAX``)."""
+        return self.min_workers is not None or self.max_nnodes is not None
+
+    @property
+    def max_nodes(self) -> int:
+        return self.max_nnodes if self.max_nnodes is not None else self.nnodes
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers in the whole job, over all hosts (elastic: at most)."""
+        return self.nproc_per_node * self.max_nodes
+
+    @property
+    def min_world_size(self) -> int:
+        """The fewest workers an elastic job goes on with."""
+        return self.min_workers if self.min_workers is not None else self.nproc_per_node * self.nnodes
+
+    @property
+    def effective_heartbeat_timeout_s(self) -> float:
+        """How long an elastic worker may stay silent before it is declared dead and killed."""
+        if self.heartbeat_timeout_s is not None:
+            return self.heartbeat_timeout_s
+        return min(0.5 * (self.timeout_s or DEFAULT_STORE_TIMEOUT_S), DEFAULT_HEARTBEAT_TIMEOUT_S)
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this launcher hosts the rendezvous store (the launcher of node 0 does)."""
+        return self.node_rank == 0
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigurationError`, naming the fix, if this launch cannot work."""
+        self._validate_counts()
+        self._validate_network()
+        self._validate_target()
+
+    def command(self) -> tuple[str, ...]:
+        """The command every worker runs: this Python interpreter on the script or module."""
+        if self.is_module:
+            return (sys.executable, "-m", self.target, *self.args)
+        return (sys.executable, self.target, *self.args)
+
+    def worker_specs(self, master_port: int) -> list[WorkerSpec]:
+        """One spec per local worker; global ranks follow ``node_rank * nproc_per_node + local_rank``."""
+        return [self._worker_spec(local_rank, master_port) for local_rank in range(self.nproc_per_node)]
+
+    def _worker_spec(self, local_rank: int, master_port: int) -> WorkerSpec:
+        rank = self.node_rank * self.nproc_per_node + local_rank
+        return WorkerSpec(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=self.world_size,
+            local_world_size=self.nproc_per_node,
+            node_rank=self.node_rank,
+            command=self.command(),
+            variables=self._worker_variables(rank, local_rank, master_port),
+        )
+
+    def _worker_variables(self, rank: int, local_rank: int, master_port: int) -> dict[str, str]:
+        """The phalanx variables, plus torch's ``env://`` ones so plain torch.distributed code works."""
+        layout = {"RANK": rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": local_rank,
+                  "LOCAL_WORLD_SIZE": self.nproc_per_node}
+        variables = {key: str(value) for key, value in layout.items()}
+        variables.update({f"PHALANX_{key}": value for key, value in variables.items()})
+        variables.update(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
+                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
+                         PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0")
+        if self.timeout_s is not None:
+            variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
+        if self.elastic:
+            variables[ELASTIC_ENV] = "1"
+        if not is_loopback(self.master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = interface_towards(self.master_addr)
+            if interface:  # Gloo would otherwise pick the address the host name resolves to
+                variables["GLOO_SOCKET_IFNAME"] = interface
+        return variables
+
+    def _validate_counts(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigurationError(
+                f"-n must be at least 1, got {self.nproc_per_node}: pass how many worker processes "
+                "to start, for example `phalanx run -n 4 train.py`."
+            )
+        if self.nnodes < 1 or self.max_nodes < self.nnodes:
+            raise ConfigurationError(
+                f"--nnodes {self.nnodes}:{self.max_nodes} is not a valid range: pass N, or MIN:MAX with 1 <= MIN <= MAX."
+            )
+        if not 0 <= self.node_rank < self.max_nodes:
+            raise ConfigurationError(
+                f"node rank {self.node_rank} is not within {self.max_nodes} nodes: "
+                "pass a node rank from 0 to nnodes - 1."
+            )
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.world_size:
+            raise ConfigurationError(
+                f"--min-workers must be between 1 and the job's {self.world_size} workers, got {self.min_workers}."
+            )
+        if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= 0:
+            raise ConfigurationError(
+                f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout_s:g}."
+            )
+        if self.grace_s < 0:
+            raise ConfigurationError(f"--grace must be 0 or more seconds, got {self.grace_s:g}.")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ConfigurationError(f"--timeout must be a positive number of seconds, got {self.timeout_s:g}.")
+
+    def _validate_network(self) -> None:
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigurationError(
+                f"--master-port must be within 0-65535, got {self.master_port}; 0 picks a free port."
+            )
+        if not self.master_addr:
+            raise ConfigurationError("--master-addr is empty: pass the address of the host running node 0.")
+        if self.max_nodes > 1 and self.master_port == 0:
+            raise ConfigurationError(
+                "a multi-host launch needs --master-port: every host's launcher must be told the port of "
+                "node 0's rendezvous store, for example --master-port 29500."
+            )
+
+    def _validate_target(self) -> None:
+        if not self.target:
+            raise ConfigurationError(
+                "nothing to run: give a script (`phalanx run -n 2 train.py`) "
+                "or a module (`phalanx run -n 2 -m package.module`)."
+            )
+        if self.is_module:
+            _check_module(self.target)
+        elif not os.path.exists(self.target):
+            raise ConfigurationError(
+                f"script {self.target!r} not found (from {os.getcwd()}): check the path, "
+                "or pass -m to run a module by its dotted name."
+            )
+
+
+def _check_module(name: str) -> None:
+    """Fail fast on a module the workers could not import; only the top-level package is looked up."""
+    if name.endswith(".py") or os.sep in name:
+        raise ConfigurationError(
+            f"-m takes a dotted module name, not a file: got {name!r}. "
+            f"Drop -m to run a script, or write it as `-m {_module_name_hint(name)}`."
+        )
+    if not _importable_from_cwd(name.split(".")[0]):
+        raise ConfigurationError(
+            f"module {name!r} not found: check the name, that its package is installed in "
+            f"{sys.executable}, or that it is importable from {os.getcwd()} or $PYTHONPATH."
+        )
+
+
+def _importable_from_cwd(top_level: str) -> bool:
+    """Whether ``python -m`` run here would find ``top_level`` (it searches the working directory first).
+
+    Looking up a top-level name imports nothing, so the check has no side effects.
+    """
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(top_level) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def _module_name_hint(path: str) -> str:
+    stem = path[:-3] if path.endswith(".py") else path
+    return stem.strip(os.sep).replace(os.sep, ".")
