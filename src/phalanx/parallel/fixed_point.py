@@ -7,8 +7,8 @@ exactly; the scales keep every partial sum below that, so each addition is exact
 the same bits in any order: however many ranks take part, however they split the micro-batches,
 whatever order the allreduce adds in. Scaling by a power of two is exact, so each entry of a
 gradient is rounded once. (float64 rather than int64: the conversion pass and the int64 scratch
-buffer disappear, and the budget of 53 bits still gives the largest entry of each tensor at least
-``53 - log2(micro-batches) - 18`` bits, more than float32's 24 for any batch up to 2**10 micro-batches.)
+buffer disappear, and the budget of 53 bits still gives the largest term of each tensor at least
+``36 - ceil(log2(m + 1))`` bits for ``m`` micro-batches, more than float32's 24 up to 2**10 of them.)
 
 The exponents must be agreed before a step. They are kept from the last step and *checked*
 during this one: every bucket carries a trailer of four counters per tensor, summed with the
