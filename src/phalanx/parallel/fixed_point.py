@@ -190,7 +190,7 @@ class FixedPointReducer:
             if bucket.state is BucketState.FILLING:
                 for slot, fired in enumerate(bucket.fired):
                     if not fired:
-                        bucket.views[slot].zero_()  # contributes nothing; clears the last micro-batch's
+                        bucket.views[slot].zero_()  # no gradient here: clear the previous micro-batch's
                 self._complete(bucket)
         if self._launching:
             self._launch_ready()
@@ -212,7 +212,7 @@ class FixedPointReducer:
         for bucket in self._buckets:
             bucket.handle.wait()
             bucket.state = BucketState.DONE
-            used, nonzero, big, over = bucket.trailer
+            _, nonzero, big, over = bucket.trailer
             at_top = self.exponents[bucket.param_indices] == MAX_EXPONENT
             held &= bool(((over == 0) & ((big > 0) | (nonzero == 0) | at_top)).all())
         return held
@@ -274,23 +274,17 @@ class FixedPointReducer:
         while still there (about half the memory traffic of whole-tensor passes). Small tensors
         are rounded and added together when their bucket is complete: two kernels for many.
         """
-        view = bucket.views[slot]
         bucket.fired[slot] = bucket.used[slot] = True
+        view, scale = bucket.views[slot], bucket.scales[slot]
         if self._calibrate:
             view.copy_(grad)
-            return
-        streamed = bucket.streamed[slot]
-        scale, grad = bucket.scales[slot], grad.reshape(-1)
-        flat_view, flat_sums = view.view(-1), bucket.sum_views[slot].view(-1)
-        for start in range(0, grad.numel(), QUANTISE_CHUNK if streamed else max(grad.numel(), 1)):
-            chunk = slice(start, start + QUANTISE_CHUNK)
-            scaled = flat_view[chunk]
-            if grad.dtype == scaled.dtype:
-                torch.mul(grad[chunk], scale, out=scaled)
-            else:
-                scaled.copy_(grad[chunk]).mul_(scale)
-            if streamed:
-                flat_sums[chunk].add_(scaled.round_(), alpha=self._samples)
+        elif not bucket.streamed[slot]:
+            _scale_into(view, grad, scale)
+        else:
+            grad, view, sums = grad.reshape(-1), view.view(-1), bucket.sum_views[slot].view(-1)
+            for start in range(0, grad.numel(), QUANTISE_CHUNK):
+                chunk = slice(start, start + QUANTISE_CHUNK)
+                sums[chunk].add_(_scale_into(view[chunk], grad[chunk], scale).round_(), alpha=self._samples)
 
     def _complete(self, bucket: _Bucket) -> None:
         """Add the small tensors' terms; track each tensor's largest term (unscaled, for recalibrating)."""
@@ -339,6 +333,13 @@ def _runs_of_small_tensors(lengths: list[int], streamed: list[bool]) -> list[tup
                 runs.append((offset, offset + length))
         offset += length
     return runs
+
+
+def _scale_into(out: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``out = grad * scale`` computed in ``out``'s dtype (a float16 gradient would overflow in its own)."""
+    if grad.dtype == out.dtype:
+        return torch.mul(grad, scale, out=out)
+    return out.copy_(grad).mul_(scale)
 
 
 def _largest_entries(views: Sequence[torch.Tensor]) -> torch.Tensor:
