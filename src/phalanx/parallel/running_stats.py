@@ -6,8 +6,9 @@ recorded into the micro-batch's row of a table with one row per micro-batch of t
 and the layer's state is put back after the last backward. The table is summed with the
 gradients (it rides in the first bucket of the fixed-point reducer): each row is written by
 exactly one rank and is zero elsewhere, and adding zeros changes no float64 value (``-0.0`` is
-recorded as ``+0.0``), so the sum delivers every row bit for bit, on every rank. The rows are then folded into the running
-statistics in index order with each layer's own momentum, the same bits for any number of workers.
+recorded as ``+0.0``), so the sum delivers every row bit for bit, on every rank. The rows are
+then folded into the running statistics in index order with each layer's own momentum: the same
+bits for any number of workers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
 
 
 class RunningStatsFolding:
@@ -39,7 +39,7 @@ class RunningStatsFolding:
             layer.register_forward_hook(self._after)
 
     def table_numel(self, total_micro_batches: int) -> int:
-        """Integers the table of a step with ``total_micro_batches`` micro-batches takes."""
+        """How many float64 values the table of a step with ``total_micro_batches`` micro-batches holds."""
         return total_micro_batches * self._offsets[-1]
 
     def begin_pass(self, table: torch.Tensor) -> None:
@@ -71,7 +71,7 @@ class RunningStatsFolding:
         """Fold every micro-batch's statistics in, in index order, once the table has been summed."""
         if not self.layers:
             return
-        rows = self._table
+        rows = self._table  # summed over ranks by now
         with torch.no_grad():
             state = torch.cat([torch.cat([l.running_mean, l.running_var]) for l in self.layers]).double()
             ran = ~torch.isnan(rows[:, self._offsets[:-1]])  # micro-batch x layer
