@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.cli.config import LaunchConfig
+from phalanx.cli.config import WORKER_MAIN, LaunchConfig
 from phalanx.cli.workers import describe_exit, exit_code_of, split_lines
 from phalanx.cli.main import build_parser, main, split_run_argv
 
@@ -279,9 +279,12 @@ def test_worker_environment() -> None:
                 "LOCAL_WORLD_SIZE": "2", "PHALANX_NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "1234", "PHALANX_STORE_HOSTED": "1", "PYTHONUNBUFFERED": "1",
                 "PHALANX_TIMEOUT": "30", "OMP_NUM_THREADS": "4", "HOME": "/h",
-                    "PHALANX_INTERACTIVE": "1" if sys.stdout.isatty() else "0"}
+                "PHALANX_INTERACTIVE": "1" if sys.stdout.isatty() else "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "phalanx-1234",
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "GROUP_RANK": "1",
+                "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4"}
     assert env == expected
-    assert spec.command == (sys.executable, "t.py")
+    assert spec.command == (sys.executable, WORKER_MAIN, "t.py")
     assert LaunchConfig(target="t.py").worker_specs(1)[0].environment({})["OMP_NUM_THREADS"] == "1"
 
 

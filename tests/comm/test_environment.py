@@ -26,6 +26,8 @@ def test_torchrun() -> None:
                    "MASTER_ADDR": "host0", "MASTER_PORT": "29400", "GROUP_RANK": "1"})
     assert (info.source, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("torchrun", 3, 4, 1, 2)
     assert (info.node_rank, info.master_addr, info.master_port, info.store_hosted) == (1, "host0", 29400, False)
+    under_agent = detect({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert under_agent.store_hosted  # torchrun's agent hosts the store: rank 0 connects as a client
 
 
 def test_slurm_takes_the_first_host_as_master_and_a_port_from_the_job_id() -> None:

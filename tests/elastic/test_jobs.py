@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ip
 from tests.elastic.launch import assert_matches_reference, free_port, is_alive, launched
 
 pytestmark = [
@@ -123,38 +123,7 @@ def test_too_few_workers_stop_the_job_with_an_error_and_a_checkpoint(tmp_path: P
     assert state.step == saved["values"]["step"]
 
 
-# ---- two hosts: network namespaces joined by a veth pair ------------------------------------
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
-
-
-@pytest.fixture
-def two_hosts():
-    """Two network namespaces, 198.18.0.1 and 198.18.0.2 on a veth pair; always deleted afterwards."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    tag = f"px{os.getpid() % 100000}"
-    hosts = [f"{tag}a", f"{tag}b"]
-    links = [f"{tag}va", f"{tag}vb"]
-    try:
-        for host in hosts:
-            created = _ip("netns", "add", host)
-            if created.returncode != 0:
-                pytest.skip(f"cannot create network namespaces here: {created.stderr.strip()}")
-        steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
-        for host, link, address in zip(hosts, links, ("198.18.0.1/24", "198.18.0.2/24")):
-            steps += [("link", "set", link, "netns", host), ("-n", host, "addr", "add", address, "dev", link),
-                      ("-n", host, "link", "set", link, "up"), ("-n", host, "link", "set", "lo", "up")]
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"cannot set up the veth pair: ip {' '.join(step)}: {done.stderr.strip()}")
-        yield hosts
-    finally:
-        for host in hosts:
-            _ip("netns", "del", host)
+# ---- two hosts: network namespaces joined by a veth pair (the `two_hosts` fixture, conftest.py) ----
 
 
 def test_two_hosts_train_together(tmp_path: Path, two_hosts: list[str]) -> None:
@@ -187,8 +156,8 @@ def test_a_host_cut_off_the_network_is_declared_dead(tmp_path: Path, two_hosts: 
             launched(tmp_path, [*common, "--node-rank", "1"], fast, name="node1",
                      prefix=["ip", "netns", "exec", two_hosts[1]]):
         node0.wait_for_step(15)
-        links = _ip("-n", two_hosts[1], "-o", "link", "show", "type", "veth").stdout
-        _ip("-n", two_hosts[1], "link", "set", links.split(":")[1].strip().split("@")[0], "down")
+        links = ip("-n", two_hosts[1], "-o", "link", "show", "type", "veth").stdout
+        ip("-n", two_hosts[1], "link", "set", links.split(":")[1].strip().split("@")[0], "down")
         cut_at = time.time()
         assert node0.wait(JOB_TIMEOUT_S) == 0, node0.output()
     result = node0.result()

@@ -6,12 +6,14 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, interface_towards, is_loopback
 from phalanx.comm.membership import ELASTIC_ENV
 from phalanx.errors import ConfigurationError
 
+WORKER_MAIN = str(Path(__file__).with_name("worker_main.py"))
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_GRACE_S = 5.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
@@ -112,10 +114,12 @@ class LaunchConfig:
         self._validate_target()
 
     def command(self) -> tuple[str, ...]:
-        """The command every worker runs: this Python interpreter on the script or module."""
-        if self.is_module:
-            return (sys.executable, "-m", self.target, *self.args)
-        return (sys.executable, self.target, *self.args)
+        """The command every worker runs: this Python interpreter on the script or module.
+
+        The target runs under :mod:`phalanx.cli.worker_main`, which ends the process cleanly.
+        """
+        target = ("-m", self.target) if self.is_module else (self.target,)
+        return (sys.executable, WORKER_MAIN, *target, *self.args)
 
     def worker_specs(self, master_port: int) -> list[WorkerSpec]:
         """One spec per local worker; global ranks follow ``node_rank * nproc_per_node + local_rank``."""
@@ -139,6 +143,7 @@ class LaunchConfig:
                   "LOCAL_WORLD_SIZE": self.nproc_per_node}
         variables = {key: str(value) for key, value in layout.items()}
         variables.update({f"PHALANX_{key}": value for key, value in variables.items()})
+        variables.update(self._torchrun_variables(rank, master_port))
         variables.update(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
                          PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0")
@@ -151,6 +156,17 @@ class LaunchConfig:
             if interface:  # Gloo would otherwise pick the address the host name resolves to
                 variables["GLOO_SOCKET_IFNAME"] = interface
         return variables
+
+    def _torchrun_variables(self, rank: int, master_port: int) -> dict[str, str]:
+        """What torchrun exports besides ``env://``'s variables, so scripts written for it run unchanged.
+
+        ``TORCHELASTIC_USE_AGENT_STORE`` makes torch's ``env://`` rendezvous connect every rank to
+        the launcher's store as a client, instead of starting a second server on its port on rank 0.
+        """
+        return {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": f"phalanx-{master_port}",
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "GROUP_RANK": str(self.node_rank), "GROUP_WORLD_SIZE": str(self.max_nodes),
+                "ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size)}
 
     def _validate_counts(self) -> None:
         if self.nproc_per_node < 1:

@@ -116,6 +116,7 @@ class Torchrun(Environment):
             node_rank=self._int("GROUP_RANK", rank // max(local_world_size, 1)),
             master_addr=self.env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=self._master_port(),
+            store_hosted=self.env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",  # torchrun's agent hosts it
         )
 
 

@@ -7,9 +7,12 @@ also call ``torch.distributed`` directly. A world of one creates no group and op
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +28,15 @@ from phalanx.comm.membership import (
     Keys,
     Membership,
     MembershipClosed,
+    shutdown_sockets,
     socket_inodes,
 )
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "PHALANX_TIMEOUT"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class _Runtime:
     cpu_group: Any = None
     generation: int = 0
     membership: Membership | None = None
+    sockets: dict[str, int] = dataclasses.field(default_factory=dict)  # the group's connections
 
 
 _runtime: _Runtime | None = None
@@ -71,18 +78,61 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
         _runtime = _Runtime(info, timeout_s, backend, device)
     else:
         _runtime = _create_group(info, timeout_s, backend, device)
+    _shutdown_at_exit()
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the process groups phalanx created. ``init`` may be called again."""
+    """Leave the job: destroy the process groups phalanx created. ``init`` may be called again.
+
+    Called by itself when the interpreter exits, so scripts need not call it.
+    """
+    _shutdown(done=True)
+
+
+def _shutdown(done: bool) -> None:
+    """Destroy the groups; ``done`` tells an elastic coordinator the worker finished (not failed).
+
+    A worker that failed may leave collectives pending that its peers will never join: its
+    connections are shut down first, so that tearing the group down does not wait for them.
+    """
     global _runtime, _elastic
     if _elastic is not None:
-        _elastic.leave()
+        if done:
+            _elastic.leave()
         _elastic.close()
         _elastic = None
+    if not done and _runtime is not None:
+        shutdown_sockets(_runtime.sockets)
     if _runtime is not None and _runtime.store is not None and dist.is_initialized():
         dist.destroy_process_group()
     _runtime = None
+
+
+_exit_hook_registered = False
+
+
+def _shutdown_at_exit() -> None:
+    """Register (once) the shutdown that runs when the interpreter exits.
+
+    torch leaves the Gloo group to interpreter teardown, which aborts the process (SIGABRT) in a
+    good share of runs; destroying it from ``atexit`` ends every run cleanly. ``atexit`` runs after
+    non-daemon threads were joined and before daemon threads (loader prefetch, the elastic
+    watchdog) are frozen, so the group is torn down while nothing else uses it.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_exit)
+        _exit_hook_registered = True
+
+
+def _exit() -> None:
+    # An uncaught exception leaves sys.last_value behind: the worker failed and must not tell an
+    # elastic coordinator it finished.
+    failed = getattr(sys, "last_value", None) is not None
+    try:
+        _shutdown(done=not failed)
+    except Exception:  # noqa: BLE001 - exit must not fail on a half torn-down group
+        logger.debug("shutdown at exit failed", exc_info=True)
 
 
 def is_initialized() -> bool:
@@ -212,6 +262,7 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = _connect_store(info, timeout_s) if store is None else store
     timeout_delta = datetime.timedelta(seconds=timeout_s)
+    before = socket_inodes()
     try:
         dist.init_process_group(
             backend,
@@ -227,7 +278,9 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
             f"rendezvous on rank {info.rank} failed: not all {info.world_size} workers joined within "
             f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
         ) from error
-    return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation)
+    sockets = {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
+    return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
+                    sockets=sockets)
 
 
 def _adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.device) -> _Runtime:
@@ -356,10 +409,8 @@ def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: flo
     if len(members) == 1:
         _elastic.track(generation, {})
         return _Runtime(placed, timeout_s, backend, device, store=store, generation=generation, membership=view)
-    before = socket_inodes()
     runtime = _create_group(placed, timeout_s, backend, device, store=store, generation=generation)
-    _elastic.track(generation, {k: fd for k, fd in socket_inodes().items() if k not in before}
-                   if backend == "gloo" else {})
+    _elastic.track(generation, runtime.sockets if backend == "gloo" else {})
     return dataclasses.replace(runtime, membership=view)
 
 

@@ -1,0 +1,96 @@
+"""What every worker of ``phalanx run`` executes: the user's script or module, then a clean exit.
+
+Run by path (``python .../worker_main.py [-m] TARGET ARGS...``), so that it imports nothing before
+the user's code does. The target runs as ``python TARGET`` would run it (``__main__``, ``sys.argv``,
+``sys.path[0]``, exit codes, tracebacks). Then, after non-daemon threads were joined and every
+``atexit`` handler ran, the process ends with ``os._exit``: torch leaves process groups that a
+model still references (``DistributedDataParallel`` does) to interpreter teardown, where Python
+stops Gloo's threads in a way that aborts the process (SIGABRT) in a good share of runs. Files
+left open are flushed first, so skipping teardown loses no output.
+"""
+
+import atexit
+import os
+import sys
+
+_exit_code = 0
+
+
+def _end_process() -> None:
+    """Registered first, so it runs last: flush what is still open, then leave without teardown."""
+    import gc
+    import io
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    writers = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), writers):  # by type: an instance check may touch deprecated objects
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
+    os._exit(_exit_code)
+
+
+atexit.register(_end_process)
+
+import runpy  # noqa: E402 - after the exit handler, so that it runs after every later one
+import traceback  # noqa: E402
+
+_THIS_FILE = os.path.abspath(__file__)
+
+
+def _exit_code_of(exit: SystemExit) -> int:
+    """What the interpreter itself would exit with for ``raise SystemExit(code)``."""
+    if exit.code is None:
+        return 0
+    if isinstance(exit.code, int):
+        return exit.code & 0xFF
+    print(exit.code, file=sys.stderr)
+    return 1
+
+
+def _report(error: BaseException) -> None:
+    """Print the traceback as ``python TARGET`` would: without this module's and runpy's frames."""
+    tb = error.__traceback__
+    while tb is not None and (tb.tb_frame.f_globals.get("__name__") == "runpy"
+                              or os.path.abspath(tb.tb_frame.f_code.co_filename) == _THIS_FILE):
+        tb = tb.tb_next
+    error.__traceback__ = tb
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, tb  # as the interpreter sets them
+    try:
+        sys.excepthook(type(error), error, tb)
+    except Exception:  # noqa: BLE001 - a broken hook must not hide the error
+        traceback.print_exception(error)
+
+
+def _run(argv: list[str]) -> int:
+    """Run ``[-m] TARGET ARGS...`` as ``__main__``; return the exit code ``python`` would give."""
+    is_module = argv[0] == "-m"
+    target = argv[1] if is_module else argv[0]
+    sys.argv = [target, *argv[2 if is_module else 1:]]
+    sys.path[0] = os.getcwd() if is_module else os.path.dirname(os.path.abspath(target))
+    try:
+        if is_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exit:
+        return _exit_code_of(exit)
+    except KeyboardInterrupt as interrupt:
+        _report(interrupt)
+        return 130
+    except BaseException as error:  # noqa: BLE001 - reported exactly like an uncaught exception
+        _report(error)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    _exit_code = _run(sys.argv[1:])
+    sys.exit(_exit_code)
