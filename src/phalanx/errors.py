@@ -33,6 +33,13 @@ class CollectiveTimeoutError(CollectiveError):
     """A peer died or did not answer within the timeout during a collective."""
 
 
+class DataMismatchError(ConfigurationError):
+    """Ranks hold different datasets (or loader settings) where global batches need the same one.
+
+    Raised on every rank, naming the ranks that differ.
+    """
+
+
 class WorkerFailedError(PhalanxError):
     """A worker process started by the launcher exited with an error."""
 

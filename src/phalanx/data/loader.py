@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from phalanx.data._batch import MapData, TensorData, empty_like_batch, identity
 from phalanx.data._prefetch import Prefetcher
 from phalanx.data._stream import chunked, mark_last, shuffle_buffer
+from phalanx.data.fingerprint import check_same_data, content_digest, record_of, sample_digest
 from phalanx.data.sharding import (
     epoch_plan,
     epoch_seed,
@@ -47,6 +48,7 @@ class _Step(NamedTuple):
     global_size: int
     local_size: int
     last: bool
+    digest: int = 0  # of the whole global batch, for streams (every rank reads all of it)
 
 
 class DistributedLoader:
@@ -64,6 +66,11 @@ class DistributedLoader:
 
     ``rank``/``world_size`` default to the phalanx runtime's, or 0/1 when it is not running.
     Only one iteration of a loader may be active at a time: starting a new one stops the old.
+
+    Every rank must hold the same dataset: when the first batch is handed out, the ranks compare
+    the dataset's length, the loader's settings and a digest of a few samples chosen by a fixed seed
+    (one small allgather, once), and raise :class:`~phalanx.errors.DataMismatchError` on every
+    rank if they differ. ``check_same_data=False`` skips it, for data that is rank-local by design.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class DistributedLoader:
         world_size: int | None = None,
         shuffle_buffer: int | None = None,
         micro_batch_size: int | None = None,
+        check_same_data: bool = True,
     ):
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         self.granularity = _granularity(micro_batch_size, global_batch_size, self.world_size)
@@ -103,6 +111,7 @@ class DistributedLoader:
         self._consumed = 0
         self._finished = False
         self._active: weakref.ref | None = None
+        self._data_check_pending = bool(check_same_data) and _shards_the_job(self.rank, self.world_size)
 
     # ----------------------------------------------------------------- sizes and position
 
@@ -197,10 +206,19 @@ class DistributedLoader:
         self._active = weakref.ref(source)
         try:
             for step in source:
+                if self._data_check_pending:
+                    self._check_same_data(step)
                 self._record(step)
                 yield step.batch
         finally:
             source.close()
+
+    def _check_same_data(self, first: _Step) -> None:
+        """Compare this rank's dataset and settings with every other rank's (see the class docstring)."""
+        self._data_check_pending = False
+        content = first.digest if self._data is None else sample_digest(self._data)
+        check_same_data(record_of(self._known_num_samples(), self.seed, self.global_batch_size, self.shuffle,
+                                  self.drop_last, content))
 
     def _record(self, step: _Step) -> None:
         """Advance the position past ``step`` and expose its sizes."""
@@ -261,7 +279,8 @@ class DistributedLoader:
                 batch = self.collate_fn(chunk[start:stop])
             else:
                 batch = empty_like_batch(self.collate_fn(chunk[:1]))
-            yield _Step(batch, len(chunk), stop - start, last)
+            digest = content_digest(chunk) if self._data_check_pending else 0
+            yield _Step(batch, len(chunk), stop - start, last, digest)
 
     # ------------------------------------------------------------------------- helpers
 
@@ -343,6 +362,11 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         world_size = runtime_size if world_size is None else world_size
     validate_rank(world_size, rank)
     return int(rank), int(world_size)
+
+
+def _shards_the_job(rank: int, world_size: int) -> bool:
+    """Whether this loader splits batches over the running job's workers (then all must agree)."""
+    return world_size > 1 and (rank, world_size) == _runtime_rank_and_size()
 
 
 def _runtime_rank_and_size() -> tuple[int, int]:
