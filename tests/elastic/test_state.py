@@ -20,7 +20,8 @@ def setup(seed: int = 0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    data = (torch.randn(40, 4, generator=torch.Generator().manual_seed(1)), torch.randn(40, 1))
+    generator = torch.Generator().manual_seed(1)  # the same data on every rank, whatever the seed
+    data = (torch.randn(40, 4, generator=generator), torch.randn(40, 1, generator=generator))
     return model, optimizer, data
 
 
