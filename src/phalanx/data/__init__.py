@@ -8,7 +8,7 @@ and all ranks run the same number of steps. See ``docs/data.md``.
 from __future__ import annotations
 
 from phalanx.data.loader import DistributedLoader
-from phalanx.data.sharding import (
+from phalanx.sharding import (
     epoch_permutation,
     epoch_plan,
     epoch_seed,

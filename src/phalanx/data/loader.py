@@ -23,7 +23,7 @@ from phalanx.data._batch import MapData, TensorData, empty_like_batch, identity
 from phalanx.data._prefetch import Prefetcher
 from phalanx.data._stream import chunked, mark_last, shuffle_buffer
 from phalanx.data.fingerprint import check_same_data, content_digest, record_of, sample_digest
-from phalanx.data.sharding import (
+from phalanx.sharding import (
     epoch_plan,
     epoch_seed,
     local_share,
@@ -175,6 +175,18 @@ class DistributedLoader:
         self.close()
         self.seed, self._epoch, self._consumed = seed, epoch, consumed
         self._finished = False
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """Take ``rank``'s share of each global batch in a group of ``world_size`` from now on.
+
+        The position is global, so an elastic job calls this after its group changed and then
+        loads the committed position: no sample is skipped or used twice.
+        """
+        validate_rank(world_size, rank)
+        validate_global_batch_size(self.global_batch_size, world_size)
+        _granularity(self.granularity if self.granularity > 1 else None, self.global_batch_size, world_size)
+        self.close()
+        self.rank, self.world_size = int(rank), int(world_size)
 
     # ------------------------------------------------------------------------ iteration
 

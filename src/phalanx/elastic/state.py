@@ -1,9 +1,12 @@
 """``px.elastic.State``: what a worker carries across a change of membership.
 
-A State holds named *objects* (anything with ``state_dict``/``load_state_dict``: the model, the
-optimizer, the LR scheduler, a :class:`~phalanx.data.DistributedLoader`) and named plain *values*
-(``epoch``, ``step``, a best metric). :meth:`State.commit` copies all of them into memory at a
-step boundary; :meth:`State.restore` puts them back; :meth:`State.sync` makes every member's
+A State holds named *objects* and named plain *values* (``epoch``, ``step``, a best metric).
+Objects take part through a protocol, not by type: anything with ``state_dict``/``load_state_dict``
+(the model, the optimizer, the LR scheduler, a loader) is an object, and an object, or a submodule
+of a module object, that also has ``reshard(rank, world_size)`` is told its place in a re-formed
+group before its committed state is loaded (``DistributedLoader`` and ``DataParallel`` do).
+:meth:`State.commit` copies all of them into memory at a step boundary; :meth:`State.restore`
+puts them back; :meth:`State.sync` makes every member's
 committed state the same, broadcasting it from the member with the newest commit (a survivor) to
 the others (joiners), so a joiner receives the state from a peer, not from disk.
 """
@@ -22,10 +25,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import collectives, runtime
-from phalanx.data.loader import DistributedLoader
-from phalanx.data.sharding import validate_global_batch_size
 from phalanx.errors import CheckpointError, ConfigurationError, PhalanxError
-from phalanx.parallel.data_parallel import DataParallel
 
 CHECKPOINT_FORMAT = "phalanx.elastic.State"
 _OWN_ATTRIBUTES = frozenset({"checkpoint_path", "recoveries", "verbose"})
@@ -72,8 +72,9 @@ class State:
     keyword whose value has ``state_dict``/``load_state_dict`` is an object, every other one a
     value read and written as an attribute (``state.step += 1``). A State is committed once when
     made. ``checkpoint_path``: where a survivor saves the last commit when the job falls below its
-    minimum number of workers. When it holds a DistributedLoader, ``epoch`` follows the loader's
-    position: the commit after an epoch's last batch sets it to the next epoch.
+    minimum number of workers. When it holds one object whose ``state_dict()`` has an integer
+    ``epoch`` (a DistributedLoader's position), the value ``epoch`` follows it: the commit after an
+    epoch's last batch sets it to the next epoch.
     """
 
     def __init__(self, *, checkpoint_path: str | os.PathLike[str] | None = None, verbose: bool = True,
@@ -95,7 +96,6 @@ class State:
         object.__setattr__(self, "recoveries", [])
         object.__setattr__(self, "_committed", None)
         object.__setattr__(self, "_fresh", True)
-        object.__setattr__(self, "_parallel_config", None)
         object.__setattr__(self, "_pending_recovery", None)
         self._snapshot(version=0)
 
@@ -136,7 +136,6 @@ class State:
         elastic launch it also reads one store key and raises :class:`MembershipChanged` when the
         group is about to change at this boundary (joiners are admitted, or a member was lost).
         """
-        self._follow_loader_epoch()
         self._snapshot(self.version + 1)
         self._report_recovery()
         if runtime.is_elastic():
@@ -145,21 +144,21 @@ class State:
     def restore(self) -> None:
         """Put every object and value back as committed, for the current world.
 
-        Loaders are resharded to this worker's rank and the world size before their position is
-        loaded, and every px.DataParallel reducer forgets the step in progress; gradients are
-        cleared. Called by px.elastic.run after each change of membership.
+        Objects (and submodules) with ``reshard`` are first given this worker's rank and the world
+        size, in the same order on every member, so they may run collectives; then every object
+        loads its committed state and gradients are cleared. Called by px.elastic.run after each
+        change of membership, on every member.
         """
         snapshot = _copy_tree(self._committed, None)  # objects may keep references to what they load
+        for participant in self._reshardable():
+            participant.reshard(runtime.rank(), runtime.size())
         for name, entry in self._objects.items():
-            if isinstance(entry, DistributedLoader):
-                _reshard(entry)
             entry.load_state_dict(snapshot["objects"][name])
         self._values.clear()
         self._values.update(snapshot["values"])
         for module in self._modules():
             for param in module.parameters():
                 param.grad = None
-        self._reset_parallel()
 
     def sync(self, root: int | None = None) -> int:
         """Make every member's committed state that of ``root``; return the root used.
@@ -171,17 +170,14 @@ class State:
         """
         if runtime.size() == 1:
             object.__setattr__(self, "_fresh", False)
-            self._parallel_config = self._local_parallel_config()
             return 0
-        mine = {"version": self.version, "fresh": self._fresh, "names": sorted([*self._objects, *self._values]),
-                "parallel": self._local_parallel_config()}
+        mine = {"version": self.version, "fresh": self._fresh, "names": sorted([*self._objects, *self._values])}
         everyone = collectives.allgather_object(mine)
         _check_same_entries(everyone)
         if root is None:
             root = max(range(len(everyone)), key=lambda r: (not everyone[r]["fresh"], everyone[r]["version"], -r))
         elif not 0 <= root < len(everyone):
             raise ConfigurationError(f"sync(root={root}): root must be a rank in [0, {len(everyone)}).")
-        self._parallel_config = _merge_parallel_config(everyone, root)
         if any(e["fresh"] for e in everyone) or len({e["version"] for e in everyone}) > 1:
             committed = _broadcast_tree(self._committed if runtime.rank() == root else None, root)
             object.__setattr__(self, "_committed", committed)
@@ -218,37 +214,32 @@ class State:
     # --- internals --------------------------------------------------------------------------
 
     def _snapshot(self, version: int) -> None:
-        captured = {"version": version, "objects": {name: entry.state_dict() for name, entry in self._objects.items()},
-                    "values": self._values}
+        states = {name: entry.state_dict() for name, entry in self._objects.items()}
+        self._follow_epoch(states)
+        captured = {"version": version, "objects": states, "values": self._values}
         object.__setattr__(self, "_committed", _copy_tree(captured, self._committed))
 
-    def _follow_loader_epoch(self) -> None:
+    def _follow_epoch(self, states: dict[str, Any]) -> None:
+        """Set the value ``epoch`` from the one object whose state holds an integer epoch (the loader)."""
         if "epoch" not in self._values:
             return
-        loaders = [entry for entry in self._objects.values() if isinstance(entry, DistributedLoader)]
-        if len(loaders) == 1:
-            self._values["epoch"] = int(loaders[0].state_dict()["epoch"])
+        epochs = [state["epoch"] for state in states.values()
+                  if isinstance(state, dict) and isinstance(state.get("epoch"), int)]
+        if len(epochs) == 1:
+            self._values["epoch"] = epochs[0]
 
     def _modules(self) -> list[nn.Module]:
         return [entry for entry in self._objects.values() if isinstance(entry, nn.Module)]
 
-    def _data_parallels(self) -> list[DataParallel]:
-        found: dict[int, DataParallel] = {}
-        for module in self._modules():
-            for sub in module.modules():
-                if isinstance(sub, DataParallel):
-                    found.setdefault(id(sub), sub)
+    def _reshardable(self) -> list[Any]:
+        """Objects and submodules of module objects that implement ``reshard``, each once, in a fixed order."""
+        found: dict[int, Any] = {}
+        for entry in self._objects.values():
+            members = entry.modules() if isinstance(entry, nn.Module) else (entry,)
+            for member in members:
+                if callable(getattr(member, "reshard", None)):
+                    found.setdefault(id(member), member)
         return list(found.values())
-
-    def _local_parallel_config(self) -> list[float | None]:
-        """Each px.DataParallel's fusion threshold (``None`` for a replica without a reducer)."""
-        return [None if dp.reducer is None else dp.reducer.threshold_mb for dp in self._data_parallels()]
-
-    def _reset_parallel(self) -> None:
-        """Every px.DataParallel forgets its step in progress and uses the same buckets as its peers."""
-        thresholds = self._parallel_config or self._local_parallel_config()
-        for dp, threshold in zip(self._data_parallels(), thresholds):
-            dp.reset_reducer(threshold)
 
     def _begin_recovery(self, detected: float) -> None:
         object.__setattr__(self, "_pending_recovery", {"detected": detected, "reformed": None})
@@ -285,20 +276,6 @@ def _is_stateful(entry: Any) -> bool:
     return callable(getattr(entry, "state_dict", None)) and callable(getattr(entry, "load_state_dict", None))
 
 
-def _reshard(loader: DistributedLoader) -> None:
-    """Give ``loader`` this worker's rank and the current world size (its position is global)."""
-    rank, size = runtime.rank(), runtime.size()
-    validate_global_batch_size(loader.global_batch_size, size)
-    granularity = int(getattr(loader, "granularity", 1))  # whole micro-batches per share (reproducible mode)
-    if -(-loader.global_batch_size // granularity) < size:
-        raise ConfigurationError(
-            f"the global batch of {loader.global_batch_size} holds fewer micro-batches of {granularity} than the "
-            f"{size} workers of the re-formed group; use a smaller micro_batch_size or a lower maximum of workers."
-        )
-    loader.close()
-    loader.rank, loader.world_size = rank, size
-
-
 def _check_membership(version: int) -> None:
     """One store read per commit; raise MembershipChanged when this boundary ends the generation."""
     from phalanx.comm.membership import Keys
@@ -326,17 +303,6 @@ def _check_same_entries(everyone: list[dict[str, Any]]) -> None:
                 f"rank {runtime.rank()}: the State on rank {rank} holds {entry['names']} but rank 0's holds {names}; "
                 "every worker must build its State with the same entries."
             )
-
-
-def _merge_parallel_config(everyone: list[dict[str, Any]], root: int) -> list[Any]:
-    """For each px.DataParallel: the root's bucket layout, or the first member that has one."""
-    count = len(everyone[root]["parallel"])
-    merged = []
-    for index in range(count):
-        candidates = [everyone[root]["parallel"][index]] + [e["parallel"][index] for e in everyone
-                                                              if index < len(e["parallel"])]
-        merged.append(next((c for c in candidates if c is not None), None))
-    return merged
 
 
 # --- copying and broadcasting nested state ----------------------------------------------------

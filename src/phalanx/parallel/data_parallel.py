@@ -9,7 +9,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from phalanx.comm import runtime
+from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel import batchnorm, compression as compressions, replicate
 from phalanx.parallel.autotune import FusionTuner
@@ -79,6 +79,16 @@ class DataParallel(nn.Module):
         if self.tuner is not None and self.tuner.chosen is None:
             self.tuner.chosen = threshold_mb
         self._micro_step = 0
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """After the group changed: forget the step in progress, lay out buckets as every peer does.
+
+        Called on every member of the new group (it exchanges the fusion threshold, which a
+        worker that joined later has not chosen yet).
+        """
+        mine = self.reducer.threshold_mb if self.reducer is not None else None
+        agreed = next((t for t in collectives.allgather_object(mine) if t is not None), None)
+        self.reset_reducer(agreed)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         local_samples = _batch_size(args, kwargs)

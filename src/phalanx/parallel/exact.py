@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import runtime
-from phalanx.data.sharding import mix_seed, share_bounds
+from phalanx.sharding import mix_seed, share_bounds
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.fixed_point import FixedPointReducer

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from phalanx.comm import collectives, runtime
-from phalanx.data import mix_seed
+from phalanx.sharding import mix_seed
 from phalanx.errors import CheckpointError
 from phalanx.train import checkpoint_io
 from phalanx.train.state import LoopPosition, TrainState

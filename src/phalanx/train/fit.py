@@ -11,7 +11,8 @@ from torch import nn
 
 from phalanx import elastic
 from phalanx.comm import runtime
-from phalanx.data import DistributedLoader, mix_seed
+from phalanx.data import DistributedLoader
+from phalanx.sharding import mix_seed
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.exact import ExactGradients

@@ -2,6 +2,8 @@
 
 Nothing here talks to other processes: every rank calls the same functions with the same
 arguments and gets the same answer, which is what keeps ranks in step without communication.
+It sits at the bottom beside ``errors.py``, so the loader (``data/``), reproducible mode's
+micro-batch seeds (``parallel/``) and checkpoints (``train/``) share one arithmetic.
 
 The model, in one paragraph: for epoch ``e`` every rank draws the same permutation of the
 ``n`` sample indices (seeded by ``(seed, e)``). Global batches are consecutive chunks of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.data.sharding import (
+from phalanx.sharding import (
     epoch_permutation,
     epoch_plan,
     epoch_seed,

@@ -1,0 +1,101 @@
+"""The package's layers: a module imports only from its own package or the ones its layer may use.
+
+Every import counts, also those inside functions (a lazy import is still a dependency). See
+docs/architecture.md for the picture this encodes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
+BOTTOM = {"errors", "sharding"}
+
+# What each part of the package may import besides itself. Anything not listed is refused.
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "sharding": {"errors"},
+    "comm": BOTTOM,
+    "parallel": BOTTOM | {"comm"},  # the engine knows nothing of loaders
+    "data": BOTTOM | {"comm"},  # loaders know nothing of the engine
+    "elastic": BOTTOM | {"comm"},  # objects take part through a protocol, not by type
+    "train": BOTTOM | {"comm", "parallel", "data", "elastic"},
+    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "train", "root"},
+}
+
+
+def part_of(module: str) -> str:
+    """``phalanx.comm.runtime`` -> ``comm``; ``phalanx`` itself -> ``root``."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "root"
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(relative.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every phalanx module ``path`` imports, at any depth of its code."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "phalanx")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package upwards
+                package = module_name(path).split(".")[:-1] if path.name != "__init__.py" else \
+                    module_name(path).split(".")
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "phalanx":
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                is_module = (SRC.parent / candidate.replace(".", "/")).with_suffix(".py").exists() or \
+                    (SRC.parent / candidate.replace(".", "/")).is_dir()
+                found.add(candidate if is_module else base)
+    return found
+
+
+MODULES = {module_name(path): path for path in sorted(SRC.rglob("*.py"))}
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if part_of(m) not in ("root", "__main__")])
+def test_a_module_imports_only_what_its_layer_may(module: str) -> None:
+    own = part_of(module)
+    assert own in ALLOWED, f"{module}: the package '{own}' has no place in the layers; add it to ALLOWED and the docs"
+    refused = sorted(target for target in imports_of(MODULES[module])
+                     if part_of(target) != own and part_of(target) not in ALLOWED[own])
+    assert not refused, f"{module} ({own}) imports {refused}, above or beside its layer"
+
+
+def test_no_import_cycles_between_modules() -> None:
+    graph = {name: {target for target in imports_of(path) if target in MODULES and target != name
+                    and not MODULES[target].name == "__init__.py"}
+             for name, path in MODULES.items()}
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        for target in graph[node]:
+            if target in trail:
+                cycles.append(trail[trail.index(target):] + [target])
+            elif target not in done:
+                visit(target, trail + [target])
+        done.add(node)
+
+    done: set[str] = set()
+    for name in graph:
+        if name not in done:
+            visit(name, [name])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_rules_see_a_violation(tmp_path: Path) -> None:
+    """The walker finds lazy imports too (a rule that cannot see an import cannot fail)."""
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from phalanx.parallel.data_parallel import DataParallel\n    import phalanx.data\n")
+    assert imports_of(lazy) >= {"phalanx.parallel.data_parallel", "phalanx.data"}
