@@ -66,21 +66,31 @@ def _collect(procs: list, results: Any, logs: list[str], timeout: float, expect_
     outcome: dict[int, tuple[str, Any]] = {}
     while len(outcome) < len(procs):
         try:
-            rank, status, payload = results.get(timeout=0.2)
-            outcome[rank] = (status, pickle.loads(payload))
-            if status == "error" and not expect_failure:
-                raise WorkersFailed(_report(f"rank {rank} raised", outcome, logs))
+            _record(results.get(timeout=0.2), outcome, logs, expect_failure)
         except queue_module.Empty:
-            _check_alive(procs, outcome, logs)
+            _check_alive(procs, results, outcome, logs, expect_failure)
         if time.monotonic() > deadline:
             raise WorkersFailed(_report(f"timed out after {timeout:.0f}s", outcome, logs))
     return [outcome[rank][1] for rank in range(len(procs))]
 
 
-def _check_alive(procs: list, outcome: dict, logs: list[str]) -> None:
+def _record(message: tuple[int, str, bytes], outcome: dict, logs: list[str], expect_failure: bool) -> None:
+    """Keep one rank's result; an error fails the test at once unless failures are expected."""
+    rank, status, payload = message
+    outcome[rank] = (status, pickle.loads(payload))
+    if status == "error" and not expect_failure:
+        raise WorkersFailed(_report(f"rank {rank} raised", outcome, logs))
+
+
+def _check_alive(procs: list, results: Any, outcome: dict, logs: list[str], expect_failure: bool) -> None:
     for rank, proc in enumerate(procs):
         if rank not in outcome and not proc.is_alive() and proc.exitcode is not None:
-            time.sleep(0.5)  # its result may still be in the pipe
+            time.sleep(0.5)  # its result may still be in the pipe: take whatever arrived meanwhile
+            while True:
+                try:
+                    _record(results.get_nowait(), outcome, logs, expect_failure)
+                except queue_module.Empty:
+                    break
             if rank not in outcome:
                 raise WorkersFailed(_report(f"rank {rank} exited with code {proc.exitcode} and no result",
                                             outcome, logs))

@@ -15,6 +15,7 @@ import phalanx as px
 from tests.harness import run_workers
 
 SAMPLES, GLOBAL_BATCH, MICRO, EPOCHS = 130, 24, 2, 4  # 6 steps an epoch (the last of 10): 24 steps
+STEPS = EPOCHS * -(-SAMPLES // GLOBAL_BATCH)
 
 
 def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,14 +40,30 @@ class _StopAt:
             state.stop_training = True
 
 
-def _train(checkpoint_dir: str | None = None, stop_at: int | None = None) -> str:
+class _ExecutedSteps:
+    """Records the global step number of every optimizer step the run executes."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, step: int, logs: dict, state) -> None:
+        self.steps.append(state.global_step)
+
+
+def _train(checkpoint_dir: str | None = None, stop_at: int | None = None, callbacks: tuple = ()) -> str:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     px.fit(model, optimizer, F.cross_entropy, _dataset(), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
            reproducible=True, micro_batch_size=MICRO, verbose=0, checkpoint_dir=checkpoint_dir,
-           checkpoint_every=10 if checkpoint_dir else None, callbacks=[_StopAt(stop_at)] if stop_at else [],
-           metrics=["accuracy"])
+           checkpoint_every=10 if checkpoint_dir else None,
+           callbacks=[*callbacks, *([_StopAt(stop_at)] if stop_at else [])], metrics=["accuracy"])
     return _digest(model.state_dict())
+
+
+def _resume(checkpoint_dir: str) -> tuple[str, list[int]]:
+    """Train on from ``checkpoint_dir``: the weights' digest and the global steps this run executed."""
+    executed = _ExecutedSteps()
+    return _train(checkpoint_dir, callbacks=(executed,)), executed.steps
 
 
 def _digest(state: dict) -> str:
@@ -72,8 +89,11 @@ def test_a_run_stopped_at_step_10_resumes_bitwise_at_another_worker_count(tmp_pa
                                                                        single_worker_digest: str) -> None:
     run_workers(_train, 2, str(tmp_path), 10, timeout=120)
     assert px.train.checkpoint_io.list_checkpoints(tmp_path)[0].name.endswith("000000010.pt")
-    digests = run_workers(_train, 3, str(tmp_path), timeout=180)
-    assert digests == [single_worker_digest] * 3
+    results = run_workers(_resume, 3, str(tmp_path), timeout=180)
+    assert [digest for digest, _ in results] == [single_worker_digest] * 3
+    for rank, (_, executed) in enumerate(results):
+        assert executed == list(range(11, STEPS + 1)), (
+            f"rank {rank} executed global steps {executed}; resuming the checkpoint of step 10 must run 11..{STEPS}")
 
 
 def test_reproducible_mode_needs_a_micro_batch_size() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from phalanx.data import epoch_plan
 from tests.harness import run_workers
 
 SAMPLES, GLOBAL_BATCH, EPOCHS = 140, 30, 4  # 5 steps an epoch, the last of 20 samples: 20 steps
+STEPS = EPOCHS * -(-SAMPLES // GLOBAL_BATCH)
 
 
 def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +78,43 @@ def test_fit_matches_a_serial_loop_over_the_same_samples(world_size: int) -> Non
     assert history["val_accuracy"][-1] > 0.6
 
 
+class _StopAfter:
+    """Stops training once the given global step is done."""
+
+    def __init__(self, global_step: int):
+        self.global_step = global_step
+
+    def on_step_end(self, step: int, logs: dict, state) -> None:
+        if state.global_step == self.global_step:
+            state.stop_training = True
+
+
+def test_a_resumed_run_says_what_it_resumed_and_when_nothing_was_left_to_train(
+        tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="phalanx.train.fit")
+
+    def fit(*callbacks: object) -> list[str]:
+        capsys.readouterr()
+        caplog.clear()
+        model = _model()
+        px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
+               checkpoint_dir=tmp_path, checkpoint_every=1, callbacks=callbacks)
+        return capsys.readouterr().out.splitlines()
+
+    fit(_StopAfter(7))  # mid-epoch 2: its steps 1 and 2 of 5 are done
+    resumed = f"resumed from {tmp_path / 'checkpoint-000000007.pt'} (epoch 2, step 7)"
+    assert fit()[0] == resumed
+    assert caplog.messages == [resumed]
+
+    printed = fit()
+    assert printed == [
+        f"resumed from {tmp_path / f'checkpoint-{STEPS:09d}.pt'} (epoch {EPOCHS}, step {STEPS})",
+        f"training was already complete ({EPOCHS} of {EPOCHS} epochs); nothing to do — delete {tmp_path} "
+        "or pass resume=False to train again",
+    ], "a run resumed after the last epoch must say so and train nothing"
+    assert caplog.messages == printed
+
+
 _KILLABLE_SCRIPT = textwrap.dedent('''
     import sys, torch, torch.nn.functional as F
     from torch import nn
@@ -98,6 +138,9 @@ _KILLABLE_SCRIPT = textwrap.dedent('''
     if px.is_master():
         torch.save(model.state_dict(), sys.argv[2])
 ''')
+
+
+_KILLABLE_STEPS = 27  # 3 epochs of ceil(200 / 24) = 9 steps
 
 
 def _launch(script: Path, *args: str) -> subprocess.Popen:
@@ -128,10 +171,15 @@ def test_a_killed_job_resumes_from_its_checkpoint_and_ends_where_an_uninterrupte
     os.killpg(victim.pid, signal.SIGKILL)  # the launcher; its workers die with it
     victim.wait(timeout=30)
     assert not (tmp_path / "resumed.pt").exists()
-    assert px.train.checkpoint_io.list_checkpoints(tmp_path / "run"), "no checkpoint was written before the kill"
+    saved = px.train.checkpoint_io.list_checkpoints(tmp_path / "run")
+    assert saved, "no checkpoint was written before the kill"
+    saved_step = int(saved[0].stem.removeprefix("checkpoint-"))
 
     output = _finish(_launch(script, str(tmp_path / "run"), str(tmp_path / "resumed.pt")))
-    assert "global step 1 done" not in output.splitlines()[0:1]
+    executed = [int(step) for step in re.findall(r"^global step (\d+) done$", output, re.MULTILINE)]
+    assert executed == list(range(saved_step + 1, _KILLABLE_STEPS + 1)), (
+        f"the resumed run executed global steps {executed}; it should have continued from the checkpoint "
+        f"of step {saved_step} with steps {saved_step + 1}..{_KILLABLE_STEPS}")
     reference = torch.load(tmp_path / "reference.pt")
     resumed = torch.load(tmp_path / "resumed.pt")
     for name, value in reference.items():

@@ -47,12 +47,13 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
     checkpoint_io.prune(directory, keep)
 
 
-def restore(state: TrainState, directory: str | Path, weights_only: bool = True) -> dict[str, Any] | None:
-    """Load the newest readable checkpoint into ``state``; return it (``None`` if there is none)."""
-    payload = _newest(Path(directory), weights_only) if runtime.is_master() else None
-    payload = collectives.broadcast_object(payload, root=0)
-    if payload is None:
+def restore(state: TrainState, directory: str | Path, weights_only: bool = True) -> Path | None:
+    """Load the newest readable checkpoint into ``state``; return its path (``None`` if there is none)."""
+    found = _newest(Path(directory), weights_only) if runtime.is_master() else None
+    found = collectives.broadcast_object(found, root=0)
+    if found is None:
         return None
+    path, payload = found
     state.model.load_state_dict(payload["model"])
     state.optimizer.load_state_dict(payload["optimizer"])
     state.loader.load_state_dict(payload["loader"])
@@ -60,23 +61,24 @@ def restore(state: TrainState, directory: str | Path, weights_only: bool = True)
     if state.exact is not None and payload["exact"] is not None:
         state.exact.load_state_dict(payload["exact"])
     _restore_rng(payload, state)
-    return payload
+    return path
 
 
-def _newest(directory: Path, weights_only: bool) -> dict[str, Any] | None:
-    candidates = [checkpoint_io.load_latest(directory, weights_only), _elastic_last(directory / ELASTIC_LAST)]
-    found = [payload for payload in candidates if payload is not None]
-    return max(found, key=lambda payload: payload["global_step"], default=None)
+def _newest(directory: Path, weights_only: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The newest readable checkpoint or elastic commit in ``directory``, with its path."""
+    candidates = [checkpoint_io.find_latest(directory, weights_only), _elastic_last(directory / ELASTIC_LAST)]
+    found = [candidate for candidate in candidates if candidate is not None]
+    return max(found, key=lambda candidate: candidate[1]["global_step"], default=None)
 
 
-def _elastic_last(path: Path) -> dict[str, Any] | None:
+def _elastic_last(path: Path) -> tuple[Path, dict[str, Any]] | None:
     """An elastic job's last commit, in the shape of a checkpoint (its RNG states are not kept)."""
     if not path.exists():
         return None
     try:
         objects = torch.load(path, map_location="cpu", weights_only=True)["state"]["objects"]
-        return {"model": objects["model"], "optimizer": objects["optimizer"], "loader": objects["loader"],
-                "exact": objects.get("exact"), "rng": None, "world_size": None, **objects["loop"]}
+        return path, {"model": objects["model"], "optimizer": objects["optimizer"], "loader": objects["loader"],
+                      "exact": objects.get("exact"), "rng": None, "world_size": None, **objects["loop"]}
     except Exception as error:  # a damaged file: the regular checkpoints remain
         warnings.warn(f"phalanx: skipping {path}: {CheckpointError(str(error))}", stacklevel=3)
         return None

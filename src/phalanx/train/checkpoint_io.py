@@ -65,14 +65,20 @@ def load(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
     return payload
 
 
-def load_latest(directory: str | os.PathLike, weights_only: bool = True) -> dict[str, Any] | None:
-    """The newest checkpoint in ``directory`` that loads; ``None`` if there is none."""
+def find_latest(directory: str | os.PathLike, weights_only: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``directory`` that loads, with its path; ``None`` if there is none."""
     for path in list_checkpoints(directory):
         try:
-            return load(path, weights_only)
+            return path, load(path, weights_only)
         except CheckpointError as error:
             warnings.warn(f"phalanx: skipping a damaged checkpoint, trying the one before. {error}", stacklevel=2)
     return None
+
+
+def load_latest(directory: str | os.PathLike, weights_only: bool = True) -> dict[str, Any] | None:
+    """The newest checkpoint in ``directory`` that loads; ``None`` if there is none."""
+    found = find_latest(directory, weights_only)
+    return None if found is None else found[1]
 
 
 def prune(directory: str | os.PathLike, keep: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,6 +24,8 @@ from phalanx.train.state import History, LoopPosition, TrainState
 
 LOG_EVERY_STEPS = 10
 
+logger = logging.getLogger(__name__)
+
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], train_data: Any,
         *, epochs: int, global_batch_size: int, val_data: Any = None, metrics: Sequence[str | Metric] = (),
@@ -37,7 +40,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     ``loss_fn(outputs, targets)`` must return the mean over its samples. ``train_data`` is a
     dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
     targets)``. With ``checkpoint_dir`` a checkpoint is written every epoch (and every
-    ``checkpoint_every`` steps), and ``resume=True`` continues from the newest readable one.
+    ``checkpoint_every`` steps), and ``resume=True`` continues from the newest readable one (rank 0
+    says which, and when training was already complete).
     ``reproducible=True`` with ``micro_batch_size=m`` makes the trained weights bitwise identical
     for any number of workers (see :mod:`phalanx.parallel.exact` and docs/reproducibility.md).
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
@@ -53,7 +57,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
                                        checkpoint_every, log_dir))
     if resume and checkpoint_dir is not None:
-        checkpoint.restore(state, checkpoint_dir)
+        resumed_from = checkpoint.restore(state, checkpoint_dir)
+        if resumed_from is not None:
+            _report_resume(state, resumed_from, checkpoint_dir, verbose)
     _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
     return state.history
 
@@ -63,6 +69,27 @@ def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, 
     """Global loss and metrics of ``model`` over ``data``, each worker evaluating its share."""
     runtime.init()
     return _evaluate(model, loss_fn, _loader(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
+
+
+def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, verbose: int) -> None:
+    """Rank 0 says which checkpoint the run continues from, and when it leaves nothing to train.
+
+    The epoch is the one (counted from 1) of the last step the checkpoint holds; the step is the
+    global step, as in the file's name. Logged at INFO, and printed too when ``verbose``.
+    """
+    if not runtime.is_master():
+        return
+    epoch = state.epoch + 1 if state.step else state.epoch
+    lines = [f"resumed from {path} (epoch {epoch}, step {state.global_step})"]
+    if state.epoch >= state.epochs:
+        done = (f"{state.epoch} of {state.epochs} epochs" if state.epoch == state.epochs
+                else f"{state.epoch} epochs, more than epochs={state.epochs}")
+        lines.append(f"training was already complete ({done}); nothing to do — delete {checkpoint_dir} "
+                     "or pass resume=False to train again")
+    for line in lines:
+        logger.info(line)
+        if verbose:
+            print(line, flush=True)
 
 
 def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
