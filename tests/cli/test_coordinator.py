@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from phalanx.comm.membership import Keys
-from phalanx.elastic.coordinator import Coordinator, CoordinatorConfig
+from phalanx.cli.coordinator import Coordinator, CoordinatorConfig
 
 
 @pytest.fixture

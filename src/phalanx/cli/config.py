@@ -29,7 +29,7 @@ class WorkerSpec:
     """Everything needed to start one worker: its place in the job, its command, its variables.
 
     ``variables`` holds only what the launcher adds; :meth:`environment` layers it on top of the
-    launcher's own environment, so a restarted worker gets exactly the same setup.
+    launcher's own environment.
     """
 
     rank: int

@@ -2,9 +2,11 @@
 
 A worker that dies is *lost*, not fatal: the launcher reports it to the coordinator (through the
 store) and lets the survivors re-form the group without it. The launcher of node 0 runs the
-coordinator (:mod:`phalanx.elastic.coordinator`) beside the store. Every launcher kills its
+coordinator (:mod:`phalanx.cli.coordinator`) beside the store. Every launcher kills its
 workers that the coordinator declared dead (a frozen process must not come back as a zombie
-member), and stops when the job fell below ``--min-workers``.
+member), and stops when the job fell below ``--min-workers``. Nothing is restarted: a lost
+worker stays lost; the job grows only by the workers of a launcher started later with the next
+node rank (``--nnodes MIN:MAX``), which join at a step boundary.
 
 Exit status: 0 when the job completed (lost workers are listed); 1 when it fell below
 ``--min-workers``; otherwise, when every worker of this host was lost, the first one's code.
@@ -20,6 +22,7 @@ import time
 from typing import IO
 
 from phalanx.cli.config import LaunchConfig, WorkerSpec
+from phalanx.cli.coordinator import Coordinator, CoordinatorConfig
 from phalanx.cli.launcher import Supervisor
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
 from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit
@@ -53,8 +56,6 @@ class ElasticSupervisor(Supervisor):
 
     def start_workers(self, master_port: int) -> None:
         if self.config.hosts_store:
-            from phalanx.elastic.coordinator import Coordinator, CoordinatorConfig
-
             config = self.config
             self.coordinator = Coordinator(self.store.clone(), CoordinatorConfig(
                 min_workers=config.min_world_size, max_workers=config.world_size,

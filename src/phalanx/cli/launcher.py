@@ -39,8 +39,8 @@ OUTPUT_DRAIN_S = 3.0
 class Supervisor:
     """Runs one launch: hosts the store, starts the workers, watches them, stops them together.
 
-    The decision taken when a worker exits lives in :meth:`on_worker_exit`; an elastic policy
-    (restart, or carry on with fewer workers) replaces that one method.
+    The decision taken when a worker exits lives in :meth:`on_worker_exit`; the elastic
+    supervisor overrides it to carry on without the lost worker (no worker is ever restarted).
     """
 
     def __init__(self, config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] | None = None):
@@ -220,19 +220,3 @@ def _stop_signals() -> list[int]:
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signals.append(signal.SIGHUP)
     return signals
-
-
-def launch(config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
-    """Run ``config`` to the end, print why it failed if it did, and return the launcher's exit code."""
-    if config.elastic:
-        from phalanx.cli.elastic import ElasticSupervisor
-
-        result = ElasticSupervisor(config, stdout, stderr).run()
-    else:
-        result = Supervisor(config, stdout, stderr).run()
-    message = result.describe()
-    if message:
-        err = stderr or sys.stderr
-        err.write(message + "\n")
-        err.flush()
-    return result.exit_code

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import IO, Sequence
 
 from phalanx.cli.config import DEFAULT_GRACE_S, DEFAULT_MASTER_ADDR, LaunchConfig
-from phalanx.cli.launcher import launch
+from phalanx.cli.elastic import ElasticSupervisor
+from phalanx.cli.launcher import Supervisor
 from phalanx.errors import ConfigurationError
 
 PROG = "phalanx"
@@ -183,3 +184,15 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def launch(config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Run ``config`` to the end, print why it failed if it did, and return the launcher's exit code."""
+    supervisor = ElasticSupervisor if config.elastic else Supervisor
+    result = supervisor(config, stdout, stderr).run()
+    message = result.describe()
+    if message:
+        err = stderr or sys.stderr
+        err.write(message + "\n")
+        err.flush()
+    return result.exit_code
