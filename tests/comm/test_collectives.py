@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.comm.collectives import broadcast_tensors_
 from tests.harness import run_workers
 
 
@@ -91,6 +92,27 @@ def test_every_collective_gives_the_reference_result(world_size: int) -> None:
         assert done["barrier"] is None
         assert done["objects"] == list(range(n)) and done["object"] == 0
         assert out["async_completed"]
+
+
+def _mixed_tensors(rank: int) -> list[torch.Tensor]:
+    return [torch.arange(6, dtype=torch.float32).reshape(2, 3) + rank, torch.full((4,), rank + 0.5, dtype=torch.float64),
+            torch.arange(5) * (rank + 1), torch.empty(0, 3), torch.tensor(rank + 10.0)]
+
+
+def _grouped_broadcast_from_rank_one() -> list[torch.Tensor]:
+    tensors = _mixed_tensors(px.rank())
+    originals = [t.data_ptr() for t in tensors]
+    broadcast_tensors_(tensors, root=1)
+    assert [t.data_ptr() for t in tensors] == originals  # filled in place
+    return tensors
+
+
+def test_the_grouped_broadcast_gives_every_rank_roots_tensors() -> None:
+    """Mixed dtypes (two float32 tensors share a buffer), an empty tensor, a scalar, root 1 of 3."""
+    for rank, received in enumerate(run_workers(_grouped_broadcast_from_rank_one, 3)):
+        expected = _mixed_tensors(1)
+        assert [(t.dtype, t.shape) for t in received] == [(t.dtype, t.shape) for t in expected], rank
+        assert all(torch.equal(got, want) for got, want in zip(received, expected)), rank
 
 
 def _mismatched_allreduce() -> str:

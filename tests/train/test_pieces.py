@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.atomic import save_atomically
 from phalanx.train import checkpoint_io
 from phalanx.train.state import TrainState
 
@@ -75,7 +76,7 @@ def test_metrics_add_sums_and_counts() -> None:
 
 def test_checkpoints_are_atomic_and_a_damaged_newest_one_falls_back(tmp_path: Path) -> None:
     for step in (1, 2, 3):
-        checkpoint_io.save_atomically({"model": {"w": torch.full((2,), float(step))}},
+        save_atomically({"model": {"w": torch.full((2,), float(step))}},
                                       checkpoint_io.checkpoint_path(tmp_path, step))
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
     newest = checkpoint_io.list_checkpoints(tmp_path)[0]

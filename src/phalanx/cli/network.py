@@ -14,15 +14,18 @@ import json
 import socket
 import subprocess
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from phalanx.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 DEFAULT_STORE_TIMEOUT_S = 300.0
 POLL_INTERVAL_S = 0.1
 
 
-def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> Any:
+def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> TCPStore:
     """Start the rendezvous ``TCPStore`` server in this process; port 0 picks a free port.
 
     It listens only on ``master_addr`` when that is an address of this host (so the default,
@@ -45,7 +48,7 @@ def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> A
         ) from error
 
 
-def connect_store(master_addr: str, master_port: int, timeout_s: float | None) -> Any:
+def connect_store(master_addr: str, master_port: int, timeout_s: float | None) -> TCPStore:
     """Connect this (non-zero) node's launcher to node 0's store, waiting for it up to the timeout."""
     import torch.distributed as dist
 

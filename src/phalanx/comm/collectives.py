@@ -1,17 +1,19 @@
 """Collective operations over all workers, with cross-rank checks and async handles.
 
-Every operation first compares a small metadata record (operation, dtype, shape) across ranks,
-so that a mismatch raises :class:`CollectiveMismatchError` on *every* rank instead of hanging or
-silently producing garbage. ``check=False`` skips that round trip for hot paths that plan their
-own buffers. Failures of peers surface as :class:`CollectiveTimeoutError` naming the operation.
+Every tensor operation first compares a small metadata record (operation, dtype, shape) across
+ranks, so that a mismatch raises :class:`CollectiveMismatchError` on *every* rank instead of
+hanging or silently producing garbage. ``check=False`` skips that round trip for hot paths that
+plan their own buffers; ``barrier``, the object collectives and ``broadcast_tensors_`` compare
+nothing. Failures of peers surface as :class:`CollectiveTimeoutError` naming the operation.
 At world size 1 every operation completes at once without communication.
+Each is typed by ``async_op``: the default gives the result, ``async_op=True`` a :class:`Handle` of it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterator, Literal, Sequence, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from phalanx.errors import (
     PhalanxError,
 )
 
+S = TypeVar("S")
 T = TypeVar("T")
 
 REDUCE_OPS = {
@@ -93,37 +96,90 @@ def translate_errors(operation: str) -> Iterator[None]:
         ) from error
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, check: bool = True) -> Any:
+@overload
+def allreduce(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
+              check: bool = ...) -> torch.Tensor: ...
+@overload
+def allreduce(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
+              check: bool = ...) -> Handle[torch.Tensor]: ...
+def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
+              check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduce ``tensor`` over all ranks with ``op``; return the result as a new tensor."""
-    return allreduce_(tensor.clone(), op, async_op=async_op, check=check)
+    return _allreduce_into(tensor.clone(), op, async_op, check)
 
 
-def allreduce_(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, check: bool = True) -> Any:
+@overload
+def allreduce_(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
+               check: bool = ...) -> torch.Tensor: ...
+@overload
+def allreduce_(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
+               check: bool = ...) -> Handle[torch.Tensor]: ...
+def allreduce_(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
+               check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Like :func:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
-    reduce_op = _reduce_op(op, tensor)
-    if check:
-        _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
-    scale = _averaging(op, tensor)
-    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
-                   lambda: scale(tensor), async_op)
+    return _allreduce_into(tensor, op, async_op, check)
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False, check: bool = True) -> Any:
+@overload
+def broadcast(tensor: torch.Tensor, root: int = ..., *, async_op: Literal[False] = ...,
+              check: bool = ...) -> torch.Tensor: ...
+@overload
+def broadcast(tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True],
+              check: bool = ...) -> Handle[torch.Tensor]: ...
+def broadcast(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False,
+              check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Return a copy of ``root``'s tensor on every rank."""
-    return broadcast_(tensor.clone(), root, async_op=async_op, check=check)
+    return _broadcast_into(tensor.clone(), root, async_op, check)
 
 
-def broadcast_(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False, check: bool = True) -> Any:
+@overload
+def broadcast_(tensor: torch.Tensor, root: int = ..., *, async_op: Literal[False] = ...,
+               check: bool = ...) -> torch.Tensor: ...
+@overload
+def broadcast_(tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True],
+               check: bool = ...) -> Handle[torch.Tensor]: ...
+def broadcast_(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False,
+               check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Overwrite ``tensor`` in place with ``root``'s tensor; return it."""
+    return _broadcast_into(tensor, root, async_op, check)
+
+
+def broadcast_tensors_(tensors: Sequence[torch.Tensor], root: int = 0) -> None:
+    """Overwrite every tensor in place with ``root``'s: one broadcast per (dtype, device), not per tensor.
+
+    Each group is concatenated into one flat buffer, sent, and copied back, which for many small
+    tensors (a model's parameters, a state dict) costs a few round trips instead of hundreds. Every
+    rank must pass tensors of the same shapes and dtypes in the same order: the buffers are not
+    checked across ranks. Tensors with no elements are skipped; ``root``'s own tensors are left as
+    they are.
+    """
     _check_root(root)
-    if check:
-        _check("broadcast", tensor, root)
-    return _launch("broadcast", lambda: dist.broadcast(tensor, root, group=_group(tensor), async_op=True),
-                   lambda: tensor, async_op)
+    if runtime.size() == 1:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    is_root = runtime.rank() == root
+    with torch.no_grad():
+        for (dtype, device), group in groups.items():
+            if is_root:
+                broadcast_(torch.cat([t.detach().reshape(-1) for t in group]), root, check=False)
+                continue
+            sizes = [t.numel() for t in group]
+            flat = broadcast_(torch.empty(sum(sizes), dtype=dtype, device=device), root, check=False)
+            for tensor, piece in zip(group, flat.split(sizes)):
+                tensor.copy_(piece.view(tensor.shape))
 
 
+@overload
+def reduce(tensor: torch.Tensor, root: int = ..., op: str = ..., *, async_op: Literal[False] = ...,
+           check: bool = ...) -> torch.Tensor | None: ...
+@overload
+def reduce(tensor: torch.Tensor, root: int = ..., op: str = ..., *, async_op: Literal[True],
+           check: bool = ...) -> Handle[torch.Tensor | None]: ...
 def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
-           check: bool = True) -> Any:
+           check: bool = True) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     """Reduce ``tensor`` over all ranks onto ``root``. Returns the result on root, ``None`` elsewhere."""
     _check_root(root)
     reduce_op = _reduce_op(op, tensor)
@@ -136,7 +192,12 @@ def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bo
                    lambda: scale(result) if is_root else None, async_op)
 
 
-def allgather(tensor: torch.Tensor, *, async_op: bool = False, check: bool = True) -> Any:
+@overload
+def allgather(tensor: torch.Tensor, *, async_op: Literal[False] = ..., check: bool = ...) -> torch.Tensor: ...
+@overload
+def allgather(tensor: torch.Tensor, *, async_op: Literal[True], check: bool = ...) -> Handle[torch.Tensor]: ...
+def allgather(tensor: torch.Tensor, *, async_op: bool = False,
+              check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ."""
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
@@ -154,7 +215,14 @@ def allgather(tensor: torch.Tensor, *, async_op: bool = False, check: bool = Tru
                    finish, async_op)
 
 
-def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, check: bool = True) -> Any:
+@overload
+def reduce_scatter(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
+                   check: bool = ...) -> torch.Tensor: ...
+@overload
+def reduce_scatter(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
+                   check: bool = ...) -> Handle[torch.Tensor]: ...
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
+                   check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Reduce ``tensor`` over ranks, then give rank ``r`` the ``r``-th of ``size()`` chunks along dim 0.
 
     Chunks follow ``torch.tensor_split``: when dim 0 is not divisible, the first chunks are one longer.
@@ -175,8 +243,14 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = Fa
     return _launch("reduce_scatter", start, lambda: scale(output), async_op)
 
 
+@overload
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[False] = ...,
+             check: bool = ...) -> torch.Tensor: ...
+@overload
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[True],
+             check: bool = ...) -> Handle[torch.Tensor]: ...
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async_op: bool = False,
-             check: bool = True) -> Any:
+             check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` (in order) to rank ``r``; return what all ranks sent here.
 
     Without ``splits`` dim 0 is divided equally. Received pieces are concatenated in rank order.
@@ -197,7 +271,11 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async
         lambda: output, async_op)
 
 
-def barrier(*, async_op: bool = False) -> Any:
+@overload
+def barrier(*, async_op: Literal[False] = ...) -> None: ...
+@overload
+def barrier(*, async_op: Literal[True]) -> Handle[None]: ...
+def barrier(*, async_op: bool = False) -> None | Handle[None]:
     """Wait until every rank has reached this point."""
     if runtime.size() == 1:
         return _done(None, async_op)
@@ -205,6 +283,10 @@ def barrier(*, async_op: bool = False) -> Any:
                    lambda: None, async_op)
 
 
+@overload
+def broadcast_object(obj: Any = ..., root: int = ..., *, async_op: Literal[False] = ...) -> Any: ...
+@overload
+def broadcast_object(obj: Any = ..., root: int = ..., *, async_op: Literal[True]) -> Handle[Any]: ...
 def broadcast_object(obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
     """Return ``root``'s picklable object on every rank (peers are trusted: it is unpickled)."""
     _check_root(root)
@@ -218,7 +300,11 @@ def broadcast_object(obj: Any = None, root: int = 0, *, async_op: bool = False) 
     return _then(handle, _from_bytes, async_op)
 
 
-def allgather_object(obj: Any, *, async_op: bool = False) -> Any:
+@overload
+def allgather_object(obj: Any, *, async_op: Literal[False] = ...) -> list[Any]: ...
+@overload
+def allgather_object(obj: Any, *, async_op: Literal[True]) -> Handle[list[Any]]: ...
+def allgather_object(obj: Any, *, async_op: bool = False) -> list[Any] | Handle[list[Any]]:
     """Return the list of every rank's picklable object, in rank order."""
     if runtime.size() == 1:
         return _done([obj], async_op)
@@ -231,7 +317,26 @@ def allgather_object(obj: Any, *, async_op: bool = False) -> Any:
 REDUCE_OPS_INDEX = {name: index for index, name in enumerate(REDUCE_OPS)}
 
 
-def _launch(name: str, start: Callable[[], Any], finish: Callable[[], T], async_op: bool) -> Any:
+def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool,
+                    check: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    reduce_op = _reduce_op(op, tensor)
+    if check:
+        _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
+    scale = _averaging(op, tensor)
+    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
+                   lambda: scale(tensor), async_op)
+
+
+def _broadcast_into(tensor: torch.Tensor, root: int, async_op: bool,
+                    check: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    _check_root(root)
+    if check:
+        _check("broadcast", tensor, root)
+    return _launch("broadcast", lambda: dist.broadcast(tensor, root, group=_group(tensor), async_op=True),
+                   lambda: tensor, async_op)
+
+
+def _launch(name: str, start: Callable[[], Any], finish: Callable[[], T], async_op: bool) -> T | Handle[T]:
     if runtime.size() == 1:
         return _done(finish(), async_op)
     with translate_errors(name):
@@ -240,16 +345,16 @@ def _launch(name: str, start: Callable[[], Any], finish: Callable[[], T], async_
     return handle if async_op else handle.wait()
 
 
-def _done(result: T, async_op: bool) -> Any:
+def _done(result: T, async_op: bool) -> T | Handle[T]:
     return Handle("completed", None, lambda: result) if async_op else result
 
 
-def _then(handle: Handle, convert: Callable[[Any], T], async_op: bool) -> Any:
+def _then(handle: Handle[S], convert: Callable[[S], T], async_op: bool) -> T | Handle[T]:
     chained = Handle(handle._name, None, lambda: convert(handle.wait()))
     return chained if async_op else chained.wait()
 
 
-def _group(tensor: torch.Tensor) -> Any:
+def _group(tensor: torch.Tensor) -> dist.ProcessGroup | None:
     return runtime.group_for(tensor)
 
 

@@ -48,7 +48,7 @@ class _Runtime:
     backend: str
     device: torch.device
     store: Any = None
-    cpu_group: Any = None
+    cpu_group: dist.ProcessGroup | None = None
     generation: int = 0
     membership: Membership | None = None
     sockets: dict[str, int] = dataclasses.field(default_factory=dict)  # the group's connections
@@ -185,7 +185,7 @@ def launch_info() -> LaunchInfo:
     return _runtime.info if _runtime else detect()
 
 
-def group_for(tensor: torch.Tensor | None = None) -> Any:
+def group_for(tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
     """The process group for a tensor: the default group for CUDA tensors, Gloo for CPU ones."""
     runtime = _require_runtime()
     if tensor is not None and tensor.is_cuda:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.atomic import save_atomically
 from phalanx.comm import collectives, runtime
 from phalanx.errors import CheckpointError, ConfigurationError, PhalanxError
 
@@ -191,10 +192,8 @@ class State:
         path = os.fspath(path if path is not None else self.checkpoint_path or "")
         if not path:
             raise ConfigurationError("State.save(): pass a path or construct the State with checkpoint_path=.")
-        temporary = f"{path}.tmp-{os.getpid()}"
         try:
-            torch.save({"format": CHECKPOINT_FORMAT, "state": self._committed}, temporary)
-            os.replace(temporary, path)
+            save_atomically({"format": CHECKPOINT_FORMAT, "state": self._committed}, path)
         except OSError as error:
             raise CheckpointError(f"rank {runtime.rank()}: could not write the elastic checkpoint {path}: {error}") \
                 from error
@@ -383,18 +382,6 @@ def _broadcast_tree(tree: Any, root: int) -> Any:
     if not is_root:
         tensors = [torch.empty(shape, dtype=dtype, device=runtime.device() if cuda else "cpu")
                    for shape, dtype, cuda in specs]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        if tensor.numel():
-            by_kind.setdefault((tensor.dtype, tensor.device), []).append(index)
-    for indices in by_kind.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
-        collectives.broadcast_(flat, root, check=False)
-        offset = 0
-        for i in indices:
-            numel = tensors[i].numel()
-            if not is_root:
-                tensors[i] = flat[offset:offset + numel].view(tensors[i].shape).clone()
-            offset += numel
+    collectives.broadcast_tensors_(tensors, root)
     return tree if is_root else _unflatten(skeleton, tensors)
 

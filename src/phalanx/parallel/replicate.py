@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from itertools import chain
 
-import torch
 from torch import nn
 
 from phalanx.comm import collectives, runtime
@@ -32,18 +31,7 @@ def check_same_structure(module: nn.Module) -> None:
 
 def broadcast_state(module: nn.Module, root: int = 0) -> None:
     """Overwrite every parameter and buffer with ``root``'s values, one broadcast per dtype."""
-    tensors = [t for t in chain(module.parameters(), module.buffers()) if t.numel() > 0]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for group in by_kind.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            collectives.broadcast_(flat, root, check=False)
-            offset = 0
-            for tensor in group:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+    collectives.broadcast_tensors_([*module.parameters(), *module.buffers()], root)
 
 
 def _first_difference(ours: list, theirs: list) -> str:

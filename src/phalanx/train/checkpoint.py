@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from phalanx.atomic import save_atomically
 from phalanx.comm import collectives, runtime
 from phalanx.sharding import mix_seed
 from phalanx.errors import CheckpointError
@@ -43,7 +44,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
         "world_size": runtime.size(),
         **position,
     }
-    checkpoint_io.save_atomically(payload, checkpoint_io.checkpoint_path(directory, state.global_step))
+    save_atomically(payload, checkpoint_io.checkpoint_path(directory, state.global_step))
     checkpoint_io.prune(directory, keep)
 
 

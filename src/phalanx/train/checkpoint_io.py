@@ -1,9 +1,9 @@
 """Checkpoints: written atomically by rank 0, read with ``weights_only=True``, resumed from the
 newest one that loads.
 
-A checkpoint is one ``torch.save`` file named ``checkpoint-<global step>.pt``. It is written to a
-temporary file in the same folder, flushed to disk, then renamed over its final name, so a crash
-mid-write never leaves a truncated file under a checkpoint's name. Loading skips (with a warning)
+A checkpoint is one ``torch.save`` file named ``checkpoint-<global step>.pt``, written by
+:func:`phalanx.atomic.save_atomically` (temporary file, fsync, rename), so a crash mid-write never
+leaves a truncated file under a checkpoint's name. Loading skips (with a warning)
 any newest file that is corrupt, and falls back to the one before.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,24 +20,6 @@ import torch
 from phalanx.errors import CheckpointError
 
 _NAME = re.compile(r"checkpoint-(\d+)\.pt$")
-
-
-def save_atomically(payload: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``payload`` to ``path`` so that the file is either complete or absent."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-    return path
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
@@ -85,14 +66,3 @@ def prune(directory: str | os.PathLike, keep: int) -> None:
     """Delete all but the ``keep`` newest checkpoints."""
     for old in list_checkpoints(directory)[keep:]:
         old.unlink(missing_ok=True)
-
-
-def _fsync_directory(folder: Path) -> None:
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
