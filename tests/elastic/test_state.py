@@ -137,3 +137,18 @@ def test_sync_broadcasts_the_newest_commit_and_reshards() -> None:
     first, second = run_workers(_sync_from_the_newest_commit, 2, timeout=120)
     assert first[:4] == second[:4] == (1, 2, 3, 24)  # root 1; 2 steps; 3 commits; 3 batches of 8
     assert all(torch.equal(a, b) for a, b in zip(first[4], second[4]))
+
+
+def test_restore_gives_back_the_random_streams_of_the_commit() -> None:
+    import random
+
+    import numpy as np
+
+    model, _, _ = setup()
+    state = elastic.State(model=model, step=0)
+    state.commit()
+    drawn = (torch.rand(3), random.random(), np.random.rand())
+    torch.rand(5), random.random(), np.random.rand()  # the step that fails draws more
+    state.restore()  # the redo of the step draws the same numbers again
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(drawn[0], again[0]) and drawn[1:] == again[1:]

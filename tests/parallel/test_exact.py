@@ -151,3 +151,22 @@ def test_reproducible_mode_does_not_warn_about_small_batch_norm_batches() -> Non
         warnings.simplefilter("always")
         exact.backward(F.cross_entropy, (x[:8],), y[:8], global_batch_size=8)
     assert not [w for w in caught if "batch-norm" in str(w.message)]
+
+
+def test_the_step_fixes_threads_and_kernels_and_then_puts_them_back() -> None:
+    torch.set_num_threads(2)
+    seen: list[tuple[int, bool]] = []
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seen.append((torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()))
+        return F.cross_entropy(outputs, targets)
+
+    try:
+        exact = px.ExactGradients(_model(), micro_batch_size=4, threads=1)
+        assert torch.get_num_threads() == 2  # building it changes nothing process-wide
+        x, y = _dataset()
+        exact.backward(loss_fn, (x[:8],), y[:8], global_batch_size=8)
+        assert seen and all(entry == (1, True) for entry in seen)
+        assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_num_threads(1)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import collections
 import copy
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -98,6 +100,7 @@ class State:
         object.__setattr__(self, "_committed", None)
         object.__setattr__(self, "_fresh", True)
         object.__setattr__(self, "_pending_recovery", None)
+        object.__setattr__(self, "_committed_rng", None)
         self._snapshot(version=0)
 
     # --- attribute access -------------------------------------------------------------------
@@ -147,7 +150,9 @@ class State:
 
         Objects (and submodules) with ``reshard`` are first given this worker's rank and the world
         size, in the same order on every member, so they may run collectives; then every object
-        loads its committed state and gradients are cleared. Called by px.elastic.run after each
+        loads its committed state and gradients are cleared. A member that made the commit being
+        restored also gets its random streams back (torch, CUDA, Python, NumPy), so the step
+        redone after a failure draws the same dropout masks as before. Called by px.elastic.run after each
         change of membership, on every member.
         """
         snapshot = _copy_tree(self._committed, None)  # objects may keep references to what they load
@@ -157,6 +162,9 @@ class State:
             entry.load_state_dict(snapshot["objects"][name])
         self._values.clear()
         self._values.update(snapshot["values"])
+        version, rng = self._committed_rng
+        if version == self.version:  # this member made the commit restored: its random streams go back too
+            _set_rng_state(rng)
         for module in self._modules():
             for param in module.parameters():
                 param.grad = None
@@ -208,6 +216,7 @@ class State:
         if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path} was not written by px.elastic.State.save().")
         object.__setattr__(self, "_committed", data["state"])
+        object.__setattr__(self, "_committed_rng", (-1, None))  # not this process's commit: streams stay
         self.restore()
 
     # --- internals --------------------------------------------------------------------------
@@ -217,6 +226,7 @@ class State:
         self._follow_epoch(states)
         captured = {"version": version, "objects": states, "values": self._values}
         object.__setattr__(self, "_committed", _copy_tree(captured, self._committed))
+        object.__setattr__(self, "_committed_rng", (version, _rng_state()))
 
     def _follow_epoch(self, states: dict[str, Any]) -> None:
         """Set the value ``epoch`` from the one object whose state holds an integer epoch (the loader)."""
@@ -269,6 +279,20 @@ class State:
                   f"first step done {record.event_to_step_s:.2f}s after the event, "
                   f"{record.detected_to_step_s:.2f}s after detection (re-forming took {record.reform_s:.2f}s)",
                   file=sys.stderr, flush=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random streams (torch, CUDA, Python, NumPy): local to the member, never sent."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _is_stateful(entry: Any) -> bool:

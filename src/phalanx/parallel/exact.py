@@ -16,13 +16,14 @@ Three things make a data-parallel gradient depend on the world size, and each is
   normalises by each micro-batch's statistics; the running statistics are recorded per
   micro-batch and folded in index order on every rank (:mod:`phalanx.parallel.running_stats`).
 
-The thread count changes how CPU kernels block their sums, so it is fixed (``threads``).
+The thread count changes how CPU kernels block their sums, so each step runs with ``threads``
+threads and deterministic kernels; the process's own settings are restored after the step.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -72,9 +73,7 @@ class ExactGradients:
                  fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB):
         if micro_batch_size < 1:
             raise ConfigurationError(f"micro_batch_size must be at least 1, got {micro_batch_size}.")
-        if threads is not None:
-            torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        self.threads = threads
         if hasattr(model, "check_batchnorm_batch"):
             model.check_batchnorm_batch = False  # per-micro-batch statistics are the design here
         self.model = model
@@ -95,6 +94,11 @@ class ExactGradients:
 
         Returns ``(outputs, targets, loss)`` of each local micro-batch, detached, for metrics.
         """
+        with _deterministic_kernels(self.threads):
+            return self._backward(loss_fn, inputs, targets, global_batch_size)
+
+    def _backward(self, loss_fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], targets: torch.Tensor,
+                  global_batch_size: int) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
         micro = local_micro_batches(global_batch_size, len(targets), self.micro_batch_size,
                                     runtime.size(), runtime.rank())
         total_micro = -(-global_batch_size // self.micro_batch_size)
@@ -157,6 +161,27 @@ class ExactGradients:
             )
         self.step, self.seed, self._calibrated = int(state["step"]), int(state["seed"]), bool(state["calibrated"])
         self._reducer.set_exponents(state["exponents"])
+
+
+@contextlib.contextmanager
+def _deterministic_kernels(threads: int | None) -> Iterator[None]:
+    """Fixed thread count and deterministic kernels for one step; the process's settings come back after.
+
+    The thread count changes how CPU kernels block their sums, so forward and backward run with
+    ``threads`` threads; nothing outside the step (the user's own code, other models) is affected.
+    """
+    previous_threads = torch.get_num_threads()
+    previous_mode = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
+    if threads is not None and threads != previous_threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous_mode[0], warn_only=previous_mode[1])
+        if torch.get_num_threads() != previous_threads:
+            torch.set_num_threads(previous_threads)
 
 
 def _detach(outputs: Any) -> Any:
