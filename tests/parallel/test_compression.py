@@ -8,6 +8,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import phalanx as px
+from phalanx.parallel.buckets import BucketState
 from tests.harness import run_workers
 
 
@@ -46,3 +47,36 @@ def test_topk_error_feedback_keeps_what_was_left_out() -> None:
     again = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0])
     topk.launch(again, 4, state).wait()
     assert again.tolist() == [0.0, -3.0, 0.0, 0.0, 1.0]
+
+
+def _residuals(reducer) -> dict[int, torch.Tensor]:
+    return {index: part.clone() for index, part in reducer._carried_state().items()}
+
+
+def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_step() -> None:
+    from phalanx.parallel.reducer import GradientReducer
+
+    px.init()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    params = list(net.parameters())
+    reducer = GradientReducer(params, [str(i) for i in range(len(params))], 0.0, px.TopK(0.3))
+
+    def step() -> None:
+        reducer.expect_backward(32)
+        net(torch.randn(32, 8)).pow(2).mean().backward()
+
+    step()
+    kept = _residuals(reducer)
+    assert set(kept) == set(range(len(params))) and any(bool(part.any()) for part in kept.values())
+    reducer.reset(float("inf"))  # one bucket instead of one per tensor: residuals follow their parameters
+    assert len(reducer.bucket_sizes) == 1
+    assert all(torch.equal(kept[i], part) for i, part in _residuals(reducer).items())
+    step()
+    after_one_more = _residuals(reducer)
+    for bucket in reducer._buckets:  # as if the group broke while the next step's buckets were in flight
+        bucket.flat[: bucket.gradient_numel].normal_()
+        reducer.compression.launch(bucket.flat, bucket.gradient_numel, reducer._compression_state[bucket.index])
+        bucket.state = BucketState.IN_FLIGHT
+    reducer.reset()
+    assert all(torch.equal(after_one_more[i], part) for i, part in _residuals(reducer).items())

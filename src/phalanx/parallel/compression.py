@@ -35,6 +35,18 @@ class Compression:
         """Start summing ``bucket_flat`` over ranks; the returned handle's ``wait()`` completes it."""
         return collectives.allreduce_(bucket_flat, "sum", async_op=True, check=False)
 
+    def split_state(self, state: dict[str, Any], lengths: list[int]) -> list[torch.Tensor | None]:
+        """A bucket's carried state cut per parameter (``lengths`` elements each), so that it
+        survives a new bucket layout; ``None`` where there is none. Plain sums carry nothing."""
+        return [None] * len(lengths)
+
+    def join_state(self, parts: list[torch.Tensor | None], lengths: list[int]) -> dict[str, Any]:
+        """The state of a new bucket from its parameters' parts (the inverse of :meth:`split_state`)."""
+        return {}
+
+    def rollback(self, state: dict[str, Any]) -> None:
+        """Undo what launching a bucket did to ``state``, for a step that is redone (elastic recovery)."""
+
 
 class Cast(Compression):
     """Sends buckets as float16 or bfloat16: half the bytes, about three significant digits."""
@@ -76,11 +88,30 @@ class TopK(Compression):
         if self.error_feedback:
             residual = gradient.clone()
             residual[indices] = 0
-            state["residual"] = residual
+            state["before"], state["residual"] = state.get("residual"), residual
         gathered_values = collectives.allgather(torch.cat([values, trailer]), async_op=True, check=False)
         gathered_indices = collectives.allgather(indices, async_op=True, check=False)
         return _Then(gathered_values, lambda: self._scatter(bucket_flat, gradient_numel, k,
                                                             gathered_values.wait(), gathered_indices.wait()))
+
+    def split_state(self, state: dict[str, Any], lengths: list[int]) -> list[torch.Tensor | None]:
+        residual = state.get("residual")
+        return [None] * len(lengths) if residual is None else list(residual.split(lengths))
+
+    def join_state(self, parts: list[torch.Tensor | None], lengths: list[int]) -> dict[str, Any]:
+        known = [part for part in parts if part is not None]
+        if not known:
+            return {}
+        return {"residual": torch.cat([part if part is not None else known[0].new_zeros(length)
+                                       for part, length in zip(parts, lengths)])}
+
+    def rollback(self, state: dict[str, Any]) -> None:
+        if "before" in state:
+            previous = state.pop("before")
+            if previous is None:
+                state.pop("residual", None)
+            else:
+                state["residual"] = previous
 
     @staticmethod
     def _scatter(bucket_flat: torch.Tensor, gradient_numel: int, k: int, values: torch.Tensor,

@@ -55,6 +55,7 @@ class GradientReducer:
         self._packed: list[bool] = []
         self._next_launch = 0
         self._observed_order: list[int] | None = []
+        self._buckets: list[Bucket] = []
         self._compression_state: list[dict[str, Any]] = []
         self._install(list(reversed(range(len(self.params)))), threshold_mb)
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(index))
@@ -87,10 +88,14 @@ class GradientReducer:
         """Forget the step in progress, for a group that broke or was re-formed (elastic training).
 
         Drops in-flight handles and the partial sample count, lays out fresh buckets (with
-        ``threshold_mb`` if given; compression residuals are dropped) and learns the gradient order
+        ``threshold_mb`` if given; compression residuals are kept, as they were before the step
+        in flight) and learns the gradient order
         again on the next synchronised step. Every member of the new group must call it, so that
         reducers caught in different phases by a failure agree again.
         """
+        for bucket, state in zip(self._buckets, self._compression_state):
+            if bucket.state is BucketState.IN_FLIGHT:  # launched in the step that is redone
+                self.compression.rollback(state)
         self.syncing = True
         self._local_samples = 0
         self._count_handle = None
@@ -241,16 +246,30 @@ class GradientReducer:
 
     def _install(self, order: list[int], threshold_mb: float) -> None:
         """Lay out buckets for ``order``, moving any existing gradients into their new slots."""
+        carried = self._carried_state()
         self._order, self.threshold_mb = list(order), threshold_mb
         ordered = [self.params[i] for i in order]
         self._buckets = [Bucket.allocate(b, [order[k] for k in group], self.params)
                          for b, group in enumerate(plan_buckets(ordered, threshold_mb))]
-        self._compression_state = [{} for _ in self._buckets]
+        self._compression_state = [
+            self.compression.join_state([carried.get(i) for i in bucket.param_indices], self._lengths(bucket))
+            for bucket in self._buckets]
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for slot, index in enumerate(bucket.param_indices):
                 self._slot_of[index] = (bucket, slot)
                 self._adopt_gradient(index, bucket.views[slot])
+
+    def _carried_state(self) -> dict[int, torch.Tensor]:
+        """Each parameter's part of its bucket's compression state (TopK residuals), before a re-layout."""
+        carried: dict[int, torch.Tensor] = {}
+        for bucket, state in zip(self._buckets, self._compression_state):
+            parts = self.compression.split_state(state, self._lengths(bucket))
+            carried.update({index: part for index, part in zip(bucket.param_indices, parts) if part is not None})
+        return carried
+
+    def _lengths(self, bucket: Bucket) -> list[int]:
+        return [self.params[index].numel() for index in bucket.param_indices]
 
     def _adopt_gradient(self, index: int, view: torch.Tensor) -> None:
         param = self.params[index]
