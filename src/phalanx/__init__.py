@@ -32,7 +32,7 @@ from phalanx.comm.runtime import (
 )
 from phalanx import data, elastic
 from phalanx.parallel.batchnorm import SyncBatchNorm
-from phalanx.parallel.compression import TopK
+from phalanx.parallel.reductions import Reduction, TopK
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks, lr, metrics
@@ -55,7 +55,7 @@ from phalanx.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "ExactGradients", "History", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "evaluate", "fit", "lr",
+    "DataParallel", "ExactGradients", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",

@@ -230,3 +230,42 @@ def test_a_changing_global_batch_still_gives_the_global_average() -> None:
     _assert_matches(results, reference, key="params")
     for result in results:
         assert result["count_allreduce"] == [True] + [False] * (len(sample_counts) - 1)
+
+
+class ThroughRankZero(px.Reduction):
+    """A custom reduction written against the documented interface only: the sum is formed on
+    rank 0 and sent back (central storage's shape), instead of one allreduce."""
+
+    rescalable = True  # an exact sum: the reducer may weight with last step's sample count
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def reduce(self, bucket):
+        from phalanx.comm.collectives import then
+
+        self.calls += 1
+        summed = px.reduce(bucket.flat, root=0, async_op=True, check=False)
+
+        def send_back(total):
+            if total is not None:
+                bucket.flat.copy_(total)
+            return px.broadcast_(bucket.flat, root=0, check=False)
+
+        return then(summed, send_back)
+
+
+def _train_with_custom_reduction(cfg: dict) -> dict:
+    reduction = ThroughRankZero()
+    result = _worker_gradients({**cfg, "options": {"reduction": reduction, "fusion_threshold_mb": 0}})
+    return {**result, "calls": reduction.calls}
+
+
+def test_a_custom_reduction_trains_like_the_reference() -> None:
+    cfg = {"model": "mlp", "samples": 10, "steps": 6, "optimize": True}
+    results = run_workers(_train_with_custom_reduction, 2, cfg)
+    parameters = len(results[0]["params"])
+    assert all(r["calls"] == 6 * parameters for r in results)  # one bucket per tensor, every step
+    for name, value in results[0]["params"].items():
+        assert torch.equal(results[1]["params"][name], value), name
+    _assert_matches(results, _reference(cfg, 2), key="params")

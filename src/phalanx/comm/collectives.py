@@ -349,8 +349,13 @@ def _done(result: T, async_op: bool) -> T | Handle[T]:
     return Handle("completed", None, lambda: result) if async_op else result
 
 
+def then(handle: Handle[S], finish: Callable[[S], T]) -> Handle[T]:
+    """A handle that waits for ``handle`` and then returns ``finish`` of its result (once)."""
+    return Handle(handle._name, handle, lambda: finish(handle.wait()))
+
+
 def _then(handle: Handle[S], convert: Callable[[S], T], async_op: bool) -> T | Handle[T]:
-    chained = Handle(handle._name, None, lambda: convert(handle.wait()))
+    chained = then(handle, convert)
     return chained if async_op else chained.wait()
 
 

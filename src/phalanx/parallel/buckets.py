@@ -81,7 +81,8 @@ class Bucket:
     used: list[bool] = field(default_factory=list, repr=False)
     state: BucketState = BucketState.FILLING
     handle: Any = None
-    residual: torch.Tensor | None = field(default=None, repr=False)
+    #: Kept for this bucket from step to step by its reduction (TopK's residual), see ``reductions.py``.
+    context: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(cls, index: int, param_indices: list[int], params: Sequence[torch.Tensor]) -> "Bucket":
@@ -97,6 +98,11 @@ class Bucket:
     @property
     def gradient_numel(self) -> int:
         return self.flat.numel() - self.trailer.numel()
+
+    @property
+    def gradient(self) -> torch.Tensor:
+        """The gradient part of ``flat`` (the trailer follows it)."""
+        return self.flat[: self.gradient_numel]
 
     def reset(self) -> None:
         """Ready for the next synchronised backward."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
-from phalanx.parallel import batchnorm, compression as compressions, replicate
+from phalanx.parallel import batchnorm, reductions, replicate
 from phalanx.parallel.autotune import FusionTuner
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.reducer import GradientReducer
@@ -28,14 +28,17 @@ class DataParallel(nn.Module):
     still give the exact global-batch gradient.
 
     ``accumulate_steps=k`` reduces only on every ``k``-th backward (decided at forward time);
-    ``no_sync()`` skips reduction inside it. ``compression`` is ``None``, ``"fp16"``, ``"bf16"``
-    or ``px.TopK(ratio)``. ``check_finite`` raises on every rank when an averaged gradient holds
-    NaN or Inf. At world size 1 nothing is hooked and the wrapper costs nothing.
+    ``no_sync()`` skips reduction inside it. ``reduction`` says how a bucket is summed over ranks:
+    ``None`` (as it is), ``"fp16"``, ``"bf16"``, ``px.TopK(ratio)``, or your own
+    :class:`px.Reduction <phalanx.parallel.reductions.Reduction>`; ``compression`` is its older
+    name. ``check_finite`` raises on every rank when an averaged gradient holds NaN or Inf. At
+    world size 1 nothing is hooked and the wrapper costs nothing.
     """
 
     def __init__(self, module: nn.Module, fusion_threshold_mb: float | str = DEFAULT_FUSION_THRESHOLD_MB,
-                 compression: str | compressions.Compression | None = None, accumulate_steps: int = 1,
-                 sync_batchnorm: bool = False, check_finite: bool = False, broadcast: bool = True):
+                 reduction: str | reductions.Reduction | None = None, accumulate_steps: int = 1,
+                 sync_batchnorm: bool = False, check_finite: bool = False, broadcast: bool = True,
+                 compression: str | reductions.Reduction | None = None):
         super().__init__()
         if accumulate_steps < 1:
             raise ConfigurationError(f"accumulate_steps must be at least 1, got {accumulate_steps}.")
@@ -51,7 +54,9 @@ class DataParallel(nn.Module):
         if runtime.size() > 1 and broadcast:
             replicate.check_same_structure(self.module)
             replicate.broadcast_state(self.module)
-        self._compression = compressions.resolve(compression)
+        if reduction is not None and compression is not None:
+            raise ConfigurationError("pass reduction= or its older name compression=, not both.")
+        self._reduction = reductions.resolve(reduction if reduction is not None else compression)
         self._check_finite = check_finite
         self.reducer = self._make_reducer(threshold)
 
@@ -59,7 +64,7 @@ class DataParallel(nn.Module):
         if runtime.size() == 1 and not self._check_finite:
             return None
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold, self._compression,
+        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold, self._reduction,
                                self._check_finite, on_step_end=self.tuner)
 
     def reset_reducer(self, threshold_mb: float | None = None) -> None:

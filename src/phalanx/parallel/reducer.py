@@ -27,18 +27,18 @@ import torch
 from phalanx.comm import collectives, runtime
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
-from phalanx.parallel.compression import Compression
+from phalanx.parallel.reductions import Reduction
 
 
 class GradientReducer:
     """Hooks, buckets and the per-step state machine of one :class:`DataParallel` model."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], threshold_mb: float,
-                 compression: Compression, check_finite: bool = False,
+                 reduction: Reduction, check_finite: bool = False,
                  on_step_end: Callable[[float], float | None] | None = None):
         self.params = list(params)
         self.names = list(names)
-        self.compression = compression
+        self.reduction = reduction
         self.check_finite = check_finite
         self.threshold_mb = threshold_mb
         self.syncing = True
@@ -48,7 +48,7 @@ class GradientReducer:
         self._counted = False  # a training forward registered samples for the coming synchronised step
         self._predicted_total: int | None = None  # last step's global count: this step's assumed one
         self._weight_total: int | None = None  # the assumed count this step's weights used, if any
-        self._can_predict = compression.rescalable and all(
+        self._can_predict = reduction.rescalable and all(
             p.dtype in (torch.float32, torch.float64) for p in self.params)
         self._weight = 1.0 / runtime.size()
         self._in_backward = False
@@ -56,7 +56,6 @@ class GradientReducer:
         self._next_launch = 0
         self._observed_order: list[int] | None = []
         self._buckets: list[Bucket] = []
-        self._compression_state: list[dict[str, Any]] = []
         self._install(list(reversed(range(len(self.params)))), threshold_mb)
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(index))
                        for index, param in enumerate(self.params)]
@@ -88,14 +87,14 @@ class GradientReducer:
         """Forget the step in progress, for a group that broke or was re-formed (elastic training).
 
         Drops in-flight handles and the partial sample count, lays out fresh buckets (with
-        ``threshold_mb`` if given; compression residuals are kept, as they were before the step
+        ``threshold_mb`` if given; reductions' state, such as TopK residuals, is kept, as they were before the step
         in flight) and learns the gradient order
         again on the next synchronised step. Every member of the new group must call it, so that
         reducers caught in different phases by a failure agree again.
         """
-        for bucket, state in zip(self._buckets, self._compression_state):
+        for bucket in self._buckets:
             if bucket.state is BucketState.IN_FLIGHT:  # launched in the step that is redone
-                self.compression.rollback(state)
+                self.reduction.rollback(bucket.context)
         self.syncing = True
         self._local_samples = 0
         self._count_handle = None
@@ -165,8 +164,7 @@ class GradientReducer:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
             bucket.write_trailer(self._local_samples)
-            bucket.handle = self.compression.launch(bucket.flat, bucket.gradient_numel,
-                                                    self._compression_state[bucket.index])
+            bucket.handle = self.reduction.reduce(bucket)
             bucket.state = BucketState.IN_FLIGHT
             self._next_launch += 1
 
@@ -251,9 +249,9 @@ class GradientReducer:
         ordered = [self.params[i] for i in order]
         self._buckets = [Bucket.allocate(b, [order[k] for k in group], self.params)
                          for b, group in enumerate(plan_buckets(ordered, threshold_mb))]
-        self._compression_state = [
-            self.compression.join_state([carried.get(i) for i in bucket.param_indices], self._lengths(bucket))
-            for bucket in self._buckets]
+        for bucket in self._buckets:
+            bucket.context = self.reduction.join_state([carried.get(i) for i in bucket.param_indices],
+                                                       self._lengths(bucket))
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for slot, index in enumerate(bucket.param_indices):
@@ -261,10 +259,10 @@ class GradientReducer:
                 self._adopt_gradient(index, bucket.views[slot])
 
     def _carried_state(self) -> dict[int, torch.Tensor]:
-        """Each parameter's part of its bucket's compression state (TopK residuals), before a re-layout."""
+        """Each parameter's part of its bucket's reduction state (TopK residuals), before a re-layout."""
         carried: dict[int, torch.Tensor] = {}
-        for bucket, state in zip(self._buckets, self._compression_state):
-            parts = self.compression.split_state(state, self._lengths(bucket))
+        for bucket in self._buckets:
+            parts = self.reduction.split_state(bucket.context, self._lengths(bucket))
             carried.update({index: part for index, part in zip(bucket.param_indices, parts) if part is not None})
         return carried
 

@@ -1,4 +1,4 @@
-"""Compressed gradients still train: top-k with error feedback learns scikit-learn's digits."""
+"""Reductions: compressed gradients still train, TopK's residuals survive, and your own reduction plugs in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import phalanx as px
-from phalanx.parallel.buckets import BucketState
+from phalanx.parallel.buckets import Bucket, BucketState
 from tests.harness import run_workers
 
 
@@ -39,14 +39,14 @@ def test_topk_with_error_feedback_converges_on_a_real_task() -> None:
 def test_topk_error_feedback_keeps_what_was_left_out() -> None:
     px.init()
     topk = px.TopK(0.25)
-    state: dict = {}
-    bucket = torch.tensor([4.0, -3.0, 2.0, 1.0, 0.0])  # four gradient entries and one trailer flag
-    topk.launch(bucket, 4, state).wait()
-    assert bucket.tolist() == [4.0, 0.0, 0.0, 0.0, 0.0]
-    assert state["residual"].tolist() == [0.0, -3.0, 2.0, 1.0]
-    again = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0])
-    topk.launch(again, 4, state).wait()
-    assert again.tolist() == [0.0, -3.0, 0.0, 0.0, 1.0]
+    bucket = Bucket.allocate(0, [0], [torch.zeros(4)])  # four gradient entries, a used flag, the samples
+    bucket.flat.copy_(torch.tensor([4.0, -3.0, 2.0, 1.0, 1.0, 8.0]))
+    topk.reduce(bucket).wait()
+    assert bucket.flat.tolist() == [4.0, 0.0, 0.0, 0.0, 1.0, 8.0]  # the trailer travels exactly
+    assert bucket.context["residual"].tolist() == [0.0, -3.0, 2.0, 1.0]
+    bucket.flat.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 8.0]))
+    topk.reduce(bucket).wait()
+    assert bucket.flat.tolist() == [0.0, -3.0, 0.0, 0.0, 1.0, 8.0]
 
 
 def _residuals(reducer) -> dict[int, torch.Tensor]:
@@ -76,7 +76,7 @@ def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_s
     after_one_more = _residuals(reducer)
     for bucket in reducer._buckets:  # as if the group broke while the next step's buckets were in flight
         bucket.flat[: bucket.gradient_numel].normal_()
-        reducer.compression.launch(bucket.flat, bucket.gradient_numel, reducer._compression_state[bucket.index])
+        reducer.reduction.reduce(bucket)
         bucket.state = BucketState.IN_FLIGHT
     reducer.reset()
     assert all(torch.equal(after_one_more[i], part) for i, part in _residuals(reducer).items())

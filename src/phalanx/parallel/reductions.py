@@ -1,26 +1,47 @@
-"""How a bucket travels: as it is, cast to 16 bits, or sparsified to its top-k entries.
+"""How a ready bucket is summed over ranks: the engine's extension point.
 
-A compression launches the sum over ranks of one bucket's flat buffer and returns a handle whose
-``wait()`` leaves the summed result in that same buffer. Buffers arrive already weighted (each
-rank's share of the global average), so casting after this "divide first" cannot overflow where
-the average itself would not. The trailer (see :mod:`phalanx.parallel.buckets`) is always sent
-exactly.
+The reducer (:mod:`phalanx.parallel.reducer`) owns everything around a reduction: the hooks, the
+bucket layout, launching buckets strictly in order, waiting at the end of backward, and the
+weighting by sample counts. When a bucket is complete it calls ``reduction.reduce(bucket)``:
+
+* ``bucket.gradient`` holds this rank's gradients of the bucket's parameters, each already
+  multiplied by this rank's share of the global batch (``n_rank / N``), so their *sum* over ranks
+  is the global-batch average;
+* ``bucket.trailer`` follows it in ``bucket.flat``: per parameter 1 where this rank had a gradient,
+  then this rank's sample count. Its sum over ranks must arrive exactly;
+* ``bucket.context`` is a dict kept for this bucket from step to step (TopK keeps its residual).
+
+``reduce`` starts the sum and returns a handle (anything with ``wait()``; a
+:class:`~phalanx.comm.collectives.Handle` from an ``async_op=True`` collective, or
+:func:`~phalanx.comm.collectives.then` of one) whose ``wait()`` leaves the sum over ranks in
+``bucket.flat``. Buffers arrive already weighted, so casting after this "divide first" cannot
+overflow where the average itself would not.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 
 from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.buckets import Bucket
 
 
-class Compression:
-    """Sends buckets uncompressed: one in-place allreduce each."""
+class Waitable(Protocol):
+    """What ``Reduction.reduce`` returns: ``wait()`` completes the sum in the bucket's buffer."""
 
-    name = "none"
+    def wait(self) -> Any: ...
+
+
+class Reduction:
+    """Sums buckets as they are: one in-place allreduce each (the default, exact in float).
+
+    Subclass it and override :meth:`reduce` for another way (see docs/architecture.md).
+    """
+
+    name = "average"
     #: Whether scaling a bucket after the sum equals scaling every rank's buffer before it. True for
     #: an exact sum; a subclass is taken to be False unless it declares otherwise. The reducer
     #: relies on it to skip the per-step sample-count allreduce (see :mod:`phalanx.parallel.reducer`).
@@ -31,9 +52,9 @@ class Compression:
         if "rescalable" not in cls.__dict__:
             cls.rescalable = False
 
-    def launch(self, bucket_flat: torch.Tensor, gradient_numel: int, state: dict[str, Any]) -> Any:
-        """Start summing ``bucket_flat`` over ranks; the returned handle's ``wait()`` completes it."""
-        return collectives.allreduce_(bucket_flat, "sum", async_op=True, check=False)
+    def reduce(self, bucket: Bucket) -> Waitable:
+        """Start summing ``bucket.flat`` over ranks; the returned handle's ``wait()`` completes it."""
+        return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False)
 
     def split_state(self, state: dict[str, Any], lengths: list[int]) -> list[torch.Tensor | None]:
         """A bucket's carried state cut per parameter (``lengths`` elements each), so that it
@@ -45,25 +66,25 @@ class Compression:
         return {}
 
     def rollback(self, state: dict[str, Any]) -> None:
-        """Undo what launching a bucket did to ``state``, for a step that is redone (elastic recovery)."""
+        """Undo what reducing a bucket did to ``state``, for a step that is redone (elastic recovery)."""
 
 
-class Cast(Compression):
+class Cast(Reduction):
     """Sends buckets as float16 or bfloat16: half the bytes, about three significant digits."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
-    def launch(self, bucket_flat: torch.Tensor, gradient_numel: int, state: dict[str, Any]) -> Any:
-        if bucket_flat.dtype == self.dtype or not bucket_flat.is_floating_point():
-            return super().launch(bucket_flat, gradient_numel, state)
-        compact = bucket_flat.to(self.dtype)
+    def reduce(self, bucket: Bucket) -> Waitable:
+        if bucket.flat.dtype == self.dtype or not bucket.flat.is_floating_point():
+            return super().reduce(bucket)
+        compact = bucket.flat.to(self.dtype)
         handle = collectives.allreduce_(compact, "sum", async_op=True, check=False)
-        return _Then(handle, lambda: bucket_flat.copy_(compact))
+        return collectives.then(handle, lambda _: bucket.flat.copy_(compact))
 
 
-class TopK(Compression):
+class TopK(Reduction):
     """Sends only the ``ratio`` largest-magnitude entries of each bucket, over allgather.
 
     With ``error_feedback`` the entries left out are remembered per bucket and added to the next
@@ -78,11 +99,11 @@ class TopK(Compression):
         self.ratio = ratio
         self.error_feedback = error_feedback
 
-    def launch(self, bucket_flat: torch.Tensor, gradient_numel: int, state: dict[str, Any]) -> Any:
-        gradient, trailer = bucket_flat[:gradient_numel], bucket_flat[gradient_numel:]
+    def reduce(self, bucket: Bucket) -> Waitable:
+        gradient, trailer, state = bucket.gradient, bucket.trailer, bucket.context
         if self.error_feedback and "residual" in state:
             gradient.add_(state["residual"])
-        k = max(1, int(gradient_numel * self.ratio))
+        k = max(1, int(gradient.numel() * self.ratio))
         indices = gradient.abs().topk(k, sorted=False).indices
         values = gradient[indices]
         if self.error_feedback:
@@ -91,8 +112,8 @@ class TopK(Compression):
             state["before"], state["residual"] = state.get("residual"), residual
         gathered_values = collectives.allgather(torch.cat([values, trailer]), async_op=True, check=False)
         gathered_indices = collectives.allgather(indices, async_op=True, check=False)
-        return _Then(gathered_values, lambda: self._scatter(bucket_flat, gradient_numel, k,
-                                                            gathered_values.wait(), gathered_indices.wait()))
+        return collectives.then(gathered_values, lambda values: self._scatter(bucket, k, values,
+                                                                               gathered_indices.wait()))
 
     def split_state(self, state: dict[str, Any], lengths: list[int]) -> list[torch.Tensor | None]:
         residual = state.get("residual")
@@ -114,42 +135,23 @@ class TopK(Compression):
                 state["residual"] = previous
 
     @staticmethod
-    def _scatter(bucket_flat: torch.Tensor, gradient_numel: int, k: int, values: torch.Tensor,
-                 indices: torch.Tensor) -> torch.Tensor:
-        per_rank = values.view(-1, k + bucket_flat.numel() - gradient_numel)
-        bucket_flat.zero_()
-        bucket_flat[:gradient_numel].index_add_(0, indices, per_rank[:, :k].reshape(-1))
-        bucket_flat[gradient_numel:] = per_rank[:, k:].sum(0)
-        return bucket_flat
+    def _scatter(bucket: Bucket, k: int, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        per_rank = values.view(-1, k + bucket.trailer.numel())
+        bucket.flat.zero_()
+        bucket.gradient.index_add_(0, indices, per_rank[:, :k].reshape(-1))
+        bucket.trailer.copy_(per_rank[:, k:].sum(0))
+        return bucket.flat
 
 
-def resolve(compression: str | Compression | None) -> Compression:
-    """Turn the user's ``compression=`` argument into a :class:`Compression`."""
-    if compression is None or compression == "none":
-        return Compression()
-    if isinstance(compression, Compression):
-        return compression
+def resolve(reduction: str | Reduction | None) -> Reduction:
+    """Turn the user's ``reduction=`` (or ``compression=``) argument into a :class:`Reduction`."""
+    if reduction is None or reduction in ("none", "average"):
+        return Reduction()
+    if isinstance(reduction, Reduction):
+        return reduction
     casts = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    if compression in casts:
-        return Cast(casts[compression])
+    if reduction in casts:
+        return Cast(casts[reduction])
     raise ConfigurationError(
-        f"compression must be None, 'fp16', 'bf16' or px.TopK(ratio), got {compression!r}."
+        f"reduction must be None, 'fp16', 'bf16', px.TopK(ratio) or a px.Reduction, got {reduction!r}."
     )
-
-
-class _Then:
-    """A handle that runs ``finish`` once the underlying collective completes."""
-
-    def __init__(self, handle: Any, finish: Callable[[], Any]):
-        self._handle = handle
-        self._finish = finish
-        self._done = False
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._handle.wait()
-            self._finish()
-            self._done = True
-
-    def is_completed(self) -> bool:
-        return self._done or self._handle.is_completed()
