@@ -208,7 +208,7 @@ def _changing_global_batch(sample_counts: list[int]) -> dict:
         start, stop = share_bounds(samples, px.size(), px.rank())
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x[start:stop]), y[start:stop])
-        count_allreduce.append(model.reducer._count_handle is not None)
+        count_allreduce.append(model.reducer.summation._count_handle is not None)
         loss.backward()
         optimizer.step()
     return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},

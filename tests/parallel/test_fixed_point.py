@@ -1,4 +1,4 @@
-"""The fixed-point reducer: exact means, exponents that hold or are redone, unused and fp16 tensors."""
+"""The fixed-point summation of the reducer: exact means, exponents that hold or are redone, unused and fp16 tensors."""
 
 from __future__ import annotations
 
@@ -9,27 +9,28 @@ import torch
 
 import phalanx as px
 from phalanx.parallel import fixed_point
-from phalanx.parallel.fixed_point import FixedPointReducer
+from phalanx.parallel.fixed_point import FixedPointSum
+from phalanx.parallel.reducer import GradientReducer
 
 
 def _params(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
 
 
-def _pass(reducer: FixedPointReducer, params: list, micro_grads: list[list[torch.Tensor | None]],
+def _pass(reducer: FixedPointSum, params: list, micro_grads: list[list[torch.Tensor | None]],
           samples: list[int], calibrate: bool = False) -> bool:
     """One pass: per micro-batch, a backward that gives each parameter the listed gradient."""
     reducer.begin_pass(len(micro_grads), calibrate=calibrate)
     for k, (grads, size) in enumerate(zip(micro_grads, samples)):
         reducer.begin_micro_batch(size, last=k == len(micro_grads) - 1)
         terms = [(p * g).sum() for p, g in zip(params, grads) if g is not None]
-        torch.stack(terms).sum().backward()
-        reducer.end_micro_batch()
+        torch.stack(terms).sum().backward()  # the reducer's end of backward completes the micro-batch
     return reducer.finish_pass()
 
 
-def _calibrated(params: list, micro_grads: list, samples: list[int]) -> FixedPointReducer:
-    reducer = FixedPointReducer(params, threshold_mb=25.0)
+def _calibrated(params: list, micro_grads: list, samples: list[int]) -> FixedPointSum:
+    reducer = FixedPointSum()
+    GradientReducer(params, [str(i) for i in range(len(params))], 25.0, reducer)  # kept alive by its hooks
     assert not _pass(reducer, params, micro_grads, samples, calibrate=True)
     reducer.recalibrate()
     return reducer

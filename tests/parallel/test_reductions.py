@@ -50,7 +50,7 @@ def test_topk_error_feedback_keeps_what_was_left_out() -> None:
 
 
 def _residuals(reducer) -> dict[int, torch.Tensor]:
-    return {index: part.clone() for index, part in reducer._carried_state().items()}
+    return {index: part.clone() for index, part in reducer.summation.carried_state(reducer._buckets).items()}
 
 
 def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_step() -> None:

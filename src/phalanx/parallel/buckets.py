@@ -7,9 +7,14 @@ tells every rank which parameters got a gradient anywhere, and the global sample
 a separate collective. After a synchronised step each parameter's ``.grad`` is a view into its
 bucket, so the next step fills the bucket without a copy.
 
-State machine of one bucket during a synchronised backward::
+State machine of one bucket during a backward that the reducer handles::
 
-    FILLING --(all its gradients packed, all earlier buckets launched)--> IN_FLIGHT --wait--> DONE
+    FILLING --(all its gradients packed)--> COMPLETE --(all earlier buckets launched)--> IN_FLIGHT --wait--> DONE
+
+A summation that adds several backwards before it sends (the fixed-point sum of reproducible
+mode) takes a ``COMPLETE`` bucket back to ``FILLING`` for the next one and launches only in the last.
+Such summations lay out subclasses of :class:`Bucket` with buffers of their own
+(:class:`~phalanx.parallel.fixed_point.FixedPointBucket`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 class BucketState(enum.Enum):
     FILLING = "filling"
+    COMPLETE = "complete"
     IN_FLIGHT = "in flight"
     DONE = "done"
 
@@ -70,7 +76,7 @@ def plan_buckets(params: Sequence[torch.Tensor], threshold_mb: float,
 
 @dataclass
 class Bucket:
-    """One fused allreduce: a flat buffer and the parameters it carries."""
+    """One fused reduction: a flat buffer, the parameters it carries and its per-step state."""
 
     index: int
     param_indices: list[int]
@@ -79,6 +85,8 @@ class Bucket:
     trailer: torch.Tensor
     pending: int = 0
     used: list[bool] = field(default_factory=list, repr=False)
+    #: Per parameter: its gradient was handed over in the backward running now.
+    packed: list[bool] = field(default_factory=list, repr=False)
     state: BucketState = BucketState.FILLING
     handle: Any = None
     #: Kept for this bucket from step to step by its reduction (TopK's residual), see ``reductions.py``.
@@ -105,8 +113,9 @@ class Bucket:
         return self.flat[: self.gradient_numel]
 
     def reset(self) -> None:
-        """Ready for the next synchronised backward."""
+        """Ready for the next backward."""
         self.pending = len(self.param_indices)
+        self.packed = [False] * len(self.param_indices)
         self.state = BucketState.FILLING
         self.handle = None
 

@@ -14,7 +14,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel import batchnorm, reductions, replicate
 from phalanx.parallel.autotune import FusionTuner
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
-from phalanx.parallel.reducer import GradientReducer
+from phalanx.parallel.reducer import GradientReducer, Summation
 
 
 class DataParallel(nn.Module):
@@ -60,12 +60,28 @@ class DataParallel(nn.Module):
         self._check_finite = check_finite
         self.reducer = self._make_reducer(threshold)
 
-    def _make_reducer(self, threshold: float) -> GradientReducer | None:
-        if runtime.size() == 1 and not self._check_finite:
+    def _make_reducer(self, threshold: float, summation: Summation | None = None) -> GradientReducer | None:
+        if runtime.size() == 1 and not self._check_finite and summation is None:
             return None
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold, self._reduction,
-                               self._check_finite, on_step_end=self.tuner)
+        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold,
+                               summation or self._reduction, self._check_finite, on_step_end=self.tuner)
+
+    def use_summation(self, summation: Summation, threshold_mb: float) -> GradientReducer:
+        """Sum gradients with ``summation`` instead of the weighted average of ``reduction``.
+
+        Reproducible mode (``px.ExactGradients``) switches the model to its fixed-point sum here:
+        the same hooks and reducer, buckets of about ``threshold_mb`` laid out afresh for the new
+        summation. Such a summation drives its own steps, so the forward no longer
+        counts samples and the small-local-batch warning is off (per-micro-batch statistics are
+        the design there). Returns the reducer, which exists from now on at any world size.
+        """
+        self.check_batchnorm_batch = False
+        if self.reducer is None:
+            self.reducer = self._make_reducer(threshold_mb, summation)
+        else:
+            self.reducer.use(summation, threshold_mb)
+        return self.reducer
 
     def reset_reducer(self, threshold_mb: float | None = None) -> None:
         """Forget any step in progress and lay out the buckets afresh, for a re-formed group.
@@ -100,7 +116,8 @@ class DataParallel(nn.Module):
         if self.check_batchnorm_batch:
             self.check_batchnorm_batch = False
             batchnorm.warn_if_small_local_batch(self.module, local_samples)
-        if self.reducer is not None and self.training and torch.is_grad_enabled():
+        if self.reducer is not None and self.reducer.summation.follows_forward and self.training \
+                and torch.is_grad_enabled():
             self._micro_step += 1
             self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0
             self.reducer.expect_backward(local_samples)
@@ -121,7 +138,7 @@ class DataParallel(nn.Module):
         The rank contributes zero gradient and zero samples, and afterwards holds the same
         averaged ``.grad`` as every other rank, so its optimizer step keeps the replicas equal.
         """
-        if self.reducer is None:
+        if self.reducer is None or not self.reducer.summation.follows_forward:
             return
         self._micro_step += 1
         self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0

@@ -32,7 +32,9 @@ from phalanx.comm import runtime
 from phalanx.sharding import mix_seed, share_bounds
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
-from phalanx.parallel.fixed_point import FixedPointReducer
+from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.fixed_point import FixedPointSum
+from phalanx.parallel.reducer import GradientReducer
 from phalanx.parallel.running_stats import RunningStatsFolding
 
 #: A step is recomputed at most this often; only a model that is not deterministic needs more.
@@ -74,18 +76,21 @@ class ExactGradients:
         if micro_batch_size < 1:
             raise ConfigurationError(f"micro_batch_size must be at least 1, got {micro_batch_size}.")
         self.threads = threads
-        if hasattr(model, "check_batchnorm_batch"):
-            model.check_batchnorm_batch = False  # per-micro-batch statistics are the design here
         self.model = model
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.step = 0
         self.redone_steps = 0
         self._calibrated = False
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
             raise ConfigurationError("ExactGradients needs a model with at least one parameter that requires grad.")
-        self._reducer = FixedPointReducer(params, fusion_threshold_mb)
+        self._sum = FixedPointSum()
+        if isinstance(model, DataParallel):  # its reducer, hooks and all, sums exactly from now on
+            self._reducer = model.use_summation(self._sum, fusion_threshold_mb)
+        else:
+            self._reducer = GradientReducer([p for _, p in named], [name for name, _ in named],
+                                            fusion_threshold_mb, self._sum)
         self._running_stats = RunningStatsFolding(model)
 
     def backward(self, loss_fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], targets: torch.Tensor,
@@ -104,9 +109,9 @@ class ExactGradients:
         total_micro = -(-global_batch_size // self.micro_batch_size)
         for _ in range(MAX_PASSES_PER_STEP):
             results = self._run_pass(loss_fn, inputs, targets, micro, total_micro)
-            if self._reducer.finish_pass():
+            if self._sum.finish_pass():
                 break
-            self._reducer.recalibrate()
+            self._sum.recalibrate()
             self.redone_steps += 1
             self._calibrated = True
         else:
@@ -115,7 +120,7 @@ class ExactGradients:
                 "and the gradients changed each time, so the model is not deterministic. Make sure every random "
                 "draw in forward uses torch's global generator (phalanx seeds it per micro-batch)."
             )
-        self._reducer.publish(global_batch_size)
+        self._sum.publish(global_batch_size)
         self._running_stats.fold()
         self.step += 1
         return results
@@ -123,7 +128,7 @@ class ExactGradients:
     def _run_pass(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                   micro: list[MicroBatch], total_micro: int) -> list:
         """Forward and backward over this rank's micro-batches, summing into the reducer."""
-        table = self._reducer.begin_pass(total_micro, calibrate=not self._calibrated,
+        table = self._sum.begin_pass(total_micro, calibrate=not self._calibrated,
                                          payload_numel=self._running_stats.table_numel(total_micro))
         self._running_stats.begin_pass(table)
         try:
@@ -131,26 +136,26 @@ class ExactGradients:
                        for k, part in enumerate(micro)]
         finally:
             self._running_stats.end_recording()
-        if not micro:
-            self._reducer.launch_without_data()
+        if not micro:  # this rank still takes part in the pass's allreduce
+            self._sum.begin_micro_batch(0, last=True)
+            self._reducer.reduce_without_data()
         return results
 
     def _run_one(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                  part: MicroBatch, last: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
         torch.manual_seed(mix_seed(self.seed, self.step, part.index))
-        self._reducer.begin_micro_batch(part.size, last)
+        self._sum.begin_micro_batch(part.size, last)
         self._running_stats.begin_micro_batch(part.index)
         rows = slice(part.start, part.stop)
-        context = self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
-        with context:
-            outputs = self.model(*(x[rows] for x in inputs))
-            loss = loss_fn(outputs, targets[rows])
-            loss.backward()
-        self._reducer.end_micro_batch()
+        outputs = self.model(*(x[rows] for x in inputs))
+        loss = loss_fn(outputs, targets[rows])
+        loss.backward()  # the reducer's hooks quantise; the end of backward completes (and sends) buckets
+        if self._sum.active:  # no gradient reached a hook, so there was no end of backward to hook into
+            self._reducer.reduce_without_data()
         return _detach(outputs), targets[rows], loss.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "exponents": self._reducer.exponents.clone(), "calibrated": self._calibrated,
+        return {"step": self.step, "exponents": self._sum.exponents.clone(), "calibrated": self._calibrated,
                 "micro_batch_size": self.micro_batch_size, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,7 +165,7 @@ class ExactGradients:
                 "bitwise reproducibility needs the same micro-batch size."
             )
         self.step, self.seed, self._calibrated = int(state["step"]), int(state["seed"]), bool(state["calibrated"])
-        self._reducer.set_exponents(state["exponents"])
+        self._sum.set_exponents(state["exponents"])
 
 
 @contextlib.contextmanager

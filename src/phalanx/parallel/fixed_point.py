@@ -25,27 +25,30 @@ exponents recalibrated from a MAX allreduce of the gradients' largest entries, l
 :data:`HEADROOM_BITS` of room to grow. With that room a redo is rare: the first step (nothing to
 calibrate from) and a gradient growing 64x or shrinking about 1000x from its calibration.
 
-State machine of one bucket during a pass over a rank's micro-batches::
+This is not an engine of its own but a summation of :class:`~phalanx.parallel.reducer.GradientReducer`
+(the one ``px.DataParallel`` uses): the reducer's hooks hand gradients to :class:`FixedPointSum`,
+and its buckets are :class:`FixedPointBucket`. State machine of one bucket during a pass over a
+rank's micro-batches::
 
-    FILLING --(all its gradients scaled, rounded and added to the sums)--> QUANTISED
-    QUANTISED --(next micro-batch)--> FILLING
-    QUANTISED --(last micro-batch, all earlier buckets launched)--> IN_FLIGHT --wait--> DONE
+    FILLING --(all its gradients scaled, rounded and added to the sums)--> COMPLETE
+    COMPLETE --(next micro-batch)--> FILLING
+    COMPLETE --(last micro-batch, all earlier buckets launched)--> IN_FLIGHT --wait--> DONE
 
 Buckets launch strictly in order, during the last micro-batch's backward, so the allreduce
-overlaps the rest of backward as in :class:`~phalanx.parallel.reducer.GradientReducer`.
+overlaps the rest of backward as in ordinary data parallelism.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from phalanx.comm import collectives, runtime
 from phalanx.errors import NonFiniteGradientError
-from phalanx.parallel.buckets import plan_buckets
+from phalanx.parallel.buckets import Bucket, BucketState
+from phalanx.parallel.reductions import Waitable
 
 EXACT_BITS = 53  # float64 holds every integer below 2**53
 SLACK_BITS = 16
@@ -54,13 +57,6 @@ MAX_EXPONENT = 100  # scaled float32 gradients stay far inside float32's exponen
 QUANTISE_CHUNK = 1 << 17  # elements: with their sums, about 2 MB, one core's L2 here
 STREAM_MIN_NUMEL = 1 << 15  # tensors this large are rounded and added as soon as their gradient is ready
 _FLAGS = 4  # used, nonzero, big, over
-
-
-class BucketState(enum.Enum):
-    FILLING = "filling"
-    QUANTISED = "quantised"
-    IN_FLIGHT = "in flight"
-    DONE = "done"
 
 
 def term_limit_bits(total_micro_batches: int) -> int:
@@ -77,30 +73,28 @@ def calibrated_exponents(global_max: torch.Tensor, limit: int, current: torch.Te
     return torch.where(global_max > 0, wanted, current).clamp(-MAX_EXPONENT, MAX_EXPONENT)
 
 
-class _Bucket:
-    """A few parameters' scaled gradients, the float64 sums of their terms and the trailer."""
+class FixedPointBucket(Bucket):
+    """A bucket of the exact sum: ``views`` are slots of ``scaled``, the scaled gradients (float32,
+    or float64 for float64 parameters), and ``flat``, the buffer that is sent, holds the float64
+    sums of their terms, the ``trailer`` of four counters per tensor and the ``payload``."""
 
-    def __init__(self, index: int, param_indices: list[int], params: Sequence[torch.Tensor]):
+    @classmethod
+    def allocate(cls, index: int, param_indices: list[int], params: Sequence[torch.Tensor]) -> "FixedPointBucket":
         members = [params[i] for i in param_indices]
-        self.index = index
-        self.param_indices = param_indices
-        self.lengths = [p.numel() for p in members]
-        self.numel = sum(self.lengths)
+        lengths = [p.numel() for p in members]
         # float16 cannot hold scaled gradients (its largest value is 65504); float32 can.
         compute = torch.float64 if members[0].dtype == torch.float64 else torch.float32
-        self.scaled = torch.zeros(self.numel, dtype=compute, device=members[0].device)
-        self.views = [view.view_as(p) for view, p in zip(self.scaled.split(self.lengths), members)]
-        self.exact_dtype = members[0].dtype == compute  # .grad can be a view of ``scaled``
-        self.streamed = [n >= STREAM_MIN_NUMEL for n in self.lengths]
-        self.small_runs = _runs_of_small_tensors(self.lengths, self.streamed)
-        self.state = BucketState.DONE
-        self.pending = 0
-        self.fired = [False] * len(members)
-        self.used = [False] * len(members)
-        self.handle: Any = None
-        self.local_max = torch.zeros(len(members), dtype=torch.float64)
-        self.set_exponents([0] * len(members))
-        self.allocate_sums(0)
+        scaled = torch.zeros(sum(lengths), dtype=compute, device=members[0].device)
+        views = [view.view_as(p) for view, p in zip(scaled.split(lengths), members)]
+        bucket = cls(index, list(param_indices), scaled, views, scaled[:0], used=[False] * len(members),
+                     state=BucketState.DONE)
+        bucket.scaled, bucket.lengths, bucket.numel = scaled, lengths, sum(lengths)
+        bucket.exact_dtype = members[0].dtype == compute  # .grad can be a view of ``scaled``
+        bucket.streamed = [n >= STREAM_MIN_NUMEL for n in lengths]
+        bucket.small_runs = _runs_of_small_tensors(lengths, bucket.streamed)
+        bucket.local_max = torch.zeros(len(members), dtype=torch.float64)
+        bucket.allocate_sums(0)
+        return bucket
 
     def set_exponents(self, exponents: list[int]) -> None:
         self.scales = [2.0**e for e in exponents]
@@ -108,47 +102,62 @@ class _Bucket:
 
     def allocate_sums(self, payload_numel: int) -> None:
         """A fresh, zeroed buffer for the sums, the trailer and ``payload_numel`` values of payload."""
-        self.sums = torch.zeros(self.numel + _FLAGS * len(self.param_indices) + payload_numel, dtype=torch.float64,
-                                device=self.scaled.device)
-        self.sum_views = [view.view_as(v) for view, v in zip(self.sums[: self.numel].split(self.lengths), self.views)]
+        flags = _FLAGS * len(self.param_indices)
+        self.flat = torch.zeros(self.numel + flags + payload_numel, dtype=torch.float64, device=self.scaled.device)
+        self.sum_views = [view.view_as(v) for view, v in zip(self.flat[: self.numel].split(self.lengths), self.views)]
+        self.trailer = self.flat[self.numel : self.numel + flags].view(_FLAGS, -1)
+        self.payload = self.flat[self.numel + flags :]
 
     @property
-    def trailer(self) -> torch.Tensor:
-        return self.sums[self.numel : self.numel + _FLAGS * len(self.param_indices)].view(_FLAGS, -1)
-
-    @property
-    def payload(self) -> torch.Tensor:
-        return self.sums[self.numel + _FLAGS * len(self.param_indices) :]
+    def gradient_numel(self) -> int:
+        return self.numel
 
 
-class FixedPointReducer:
-    """Hooks, buckets and the pass state of the exact gradient sum of one model.
+class FixedPointSum:
+    """The exact sum as the reducer's summation: integers in float64 over a rank's micro-batches.
 
-    A *pass* runs a rank's micro-batches of one step: ``begin_pass``, then per micro-batch
-    ``begin_micro_batch`` / backward / ``end_micro_batch`` (or ``launch_without_data`` on a rank
-    with none), then ``finish_pass``, which waits and says whether the exponents held, and
-    ``publish``. A pass with ``calibrate=True`` only measures the gradients' largest entries
-    (nothing is sent) and ``recalibrate`` turns them into exponents; so does a pass that failed.
+    ``ExactGradients`` drives it: a *pass* runs a rank's micro-batches of one step:
+    ``begin_pass``, then per micro-batch ``begin_micro_batch`` and backward (the reducer's hooks
+    quantise; the last backward launches and waits; a rank with none calls the reducer's
+    ``reduce_without_data`` after ``begin_micro_batch(0, last=True)``), then ``finish_pass``,
+    which says whether the exponents held, and ``publish``. A pass with ``calibrate=True`` only
+    measures the gradients' largest entries (nothing is sent) and ``recalibrate`` turns them into
+    exponents; so does a pass that failed.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], threshold_mb: float):
+    follows_forward = False  # ExactGradients drives the passes, not the model's forward
+
+    def __init__(self) -> None:
+        self.params: list[torch.nn.Parameter] = []
+        self.exponents = torch.zeros(0, dtype=torch.int64)
+        self._buckets: list[FixedPointBucket] = []
+        self.active = self.launching = self.step_ends = self._calibrate = self._in_flight = False
+        self._held = False
+        self._samples = self._limit_bits = 0
+
+    def bind(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
-        order = list(reversed(range(len(self.params))))  # gradients become ready roughly in reverse
-        groups = plan_buckets([self.params[i] for i in order], threshold_mb)
-        self._buckets = [_Bucket(b, [order[k] for k in group], self.params) for b, group in enumerate(groups)]
-        self._slot_of = {index: (bucket, slot) for bucket in self._buckets
-                         for slot, index in enumerate(bucket.param_indices)}
-        self.set_exponents(torch.zeros(len(self.params), dtype=torch.int64))
-        self._active = self._launching = self._calibrate = self._in_flight = False
-        self._samples = self._next_launch = self._limit_bits = 0
-        for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(self._hook_for(index))
+        if len(self.exponents) != len(self.params):
+            self.exponents = torch.zeros(len(self.params), dtype=torch.int64)
+
+    def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]:
+        self._buckets = [FixedPointBucket.allocate(b, group, self.params) for b, group in enumerate(groups)]
+        self.set_exponents(self.exponents)
+        self._in_flight = False  # fresh buffers: no collective of an old group holds them
+        return list(self._buckets)
 
     def set_exponents(self, exponents: torch.Tensor) -> None:
         """Use these per-tensor exponents (a checkpoint's, or recalibrated ones) from the next pass."""
         self.exponents = exponents.to(torch.int64).clone()
         for bucket in self._buckets:
             bucket.set_exponents(self.exponents[bucket.param_indices].tolist())
+
+    def expect_backward(self, local_samples: int) -> None:
+        """Samples come with ``begin_micro_batch`` here."""
+
+    def reset(self, buckets: Sequence[Bucket]) -> None:
+        """Forget the pass in progress (the reducer lays out fresh buckets next)."""
+        self.active = self.launching = self.step_ends = False
 
     # --- one pass ---------------------------------------------------------------------------
 
@@ -161,7 +170,6 @@ class FixedPointReducer:
         """
         self._limit_bits = term_limit_bits(total_micro_batches)
         self._calibrate = calibrate
-        self._next_launch = 0
         for bucket in self._buckets:
             payload = payload_numel if bucket.index == 0 else 0
             # After a pass that never finished (a group broke: elastic recovery), a collective of the
@@ -169,7 +177,7 @@ class FixedPointReducer:
             if self._in_flight or bucket.payload.numel() != payload:
                 bucket.allocate_sums(payload)
             else:
-                bucket.sums.zero_()
+                bucket.flat.zero_()
             bucket.local_max.zero_()
             bucket.used = [False] * len(bucket.param_indices)
             bucket.handle, bucket.state = None, BucketState.DONE
@@ -177,45 +185,15 @@ class FixedPointReducer:
 
     def begin_micro_batch(self, samples: int, last: bool) -> None:
         """Clear every ``.grad``, so that autograd hands each gradient over in a fresh tensor."""
-        self._samples, self._launching, self._active = samples, last and not self._calibrate, True
-        for bucket in self._buckets:
-            bucket.pending, bucket.fired = len(bucket.param_indices), [False] * len(bucket.param_indices)
-            bucket.state = BucketState.FILLING
+        self._samples, self.active = samples, True
+        self.launching = last and not self._calibrate
+        self.step_ends = last
         for param in self.params:
             param.grad = None
 
-    def end_micro_batch(self) -> None:
-        """Complete buckets that lacked a gradient for some parameter; if last, launch the rest."""
-        for bucket in self._buckets:
-            if bucket.state is BucketState.FILLING:
-                for slot, fired in enumerate(bucket.fired):
-                    if not fired:
-                        bucket.views[slot].zero_()  # no gradient here: clear the previous micro-batch's
-                self._complete(bucket)
-        if self._launching:
-            self._launch_ready()
-        self._active = False
-
-    def launch_without_data(self) -> None:
-        """Take part in the pass's allreduce from a rank that has no micro-batch in this step."""
-        if not self._calibrate:
-            for bucket in self._buckets:
-                bucket.state = BucketState.QUANTISED
-            self._launch_ready()
-
     def finish_pass(self) -> bool:
-        """Wait for every bucket; whether the exponents held for every tensor (same on every rank)."""
-        if self._calibrate:
-            return False
-        self._in_flight = False
-        held = True
-        for bucket in self._buckets:
-            bucket.handle.wait()
-            bucket.state = BucketState.DONE
-            _, nonzero, big, over = bucket.trailer
-            at_top = self.exponents[bucket.param_indices] == MAX_EXPONENT
-            held &= bool(((over == 0) & ((big > 0) | (nonzero == 0) | at_top)).all())
-        return held
+        """Whether the exponents held for every tensor (the same on every rank)."""
+        return self._held
 
     def recalibrate(self) -> None:
         """New exponents from every rank's largest entries (a MAX allreduce).
@@ -249,24 +227,19 @@ class FixedPointReducer:
                 else:
                     param.grad = (bucket.sum_views[slot] / divisor).to(param.dtype)
 
-    # --- buckets ----------------------------------------------------------------------------
+    # --- the reducer's calls ----------------------------------------------------------------
 
-    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
-        def on_gradient_ready(param: torch.Tensor) -> None:
-            if not self._active:
-                return
-            bucket, slot = self._slot_of[index]
-            self._quantise(bucket, slot, param.grad)
-            param.grad = None  # its float copy lives on, scaled, in the bucket
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._complete(bucket)
-                if self._launching:
-                    self._launch_ready()
+    def begin_backward(self) -> None:
+        """Nothing to resolve: ``begin_micro_batch`` set the samples."""
 
-        return on_gradient_ready
+    def pack(self, bucket: Bucket, slot: int, param: torch.nn.Parameter) -> None:
+        self._quantise(bucket, slot, param.grad)  # type: ignore[arg-type]
+        param.grad = None  # its float copy lives on, scaled, in the bucket
 
-    def _quantise(self, bucket: _Bucket, slot: int, grad: torch.Tensor) -> None:
+    def fill(self, bucket: Bucket, slot: int) -> None:
+        bucket.views[slot].zero_()  # no gradient here: clear the previous micro-batch's
+
+    def _quantise(self, bucket: FixedPointBucket, slot: int, grad: torch.Tensor) -> None:
         """Scale one parameter's gradient into its bucket slot: ``grad * 2**e``.
 
         A large tensor's terms, ``round(grad * 2**e) * samples``, are added to the sums right
@@ -274,7 +247,7 @@ class FixedPointReducer:
         while still there (about half the memory traffic of whole-tensor passes). Small tensors
         are rounded and added together when their bucket is complete: two kernels for many.
         """
-        bucket.fired[slot] = bucket.used[slot] = True
+        bucket.used[slot] = True
         view, scale = bucket.views[slot], bucket.scales[slot]
         if self._calibrate:
             view.copy_(grad)
@@ -286,29 +259,36 @@ class FixedPointReducer:
                 chunk = slice(start, start + QUANTISE_CHUNK)
                 sums[chunk].add_(_scale_into(view[chunk], grad[chunk], scale).round_(), alpha=self._samples)
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def complete(self, bucket: FixedPointBucket) -> None:  # type: ignore[override]
         """Add the small tensors' terms; track each tensor's largest term (unscaled, for recalibrating)."""
-        bucket.state = BucketState.QUANTISED
         if not self._calibrate:
             for start, stop in bucket.small_runs:
-                bucket.sums[start:stop].add_(bucket.scaled[start:stop].round_(), alpha=self._samples)
+                bucket.flat[start:stop].add_(bucket.scaled[start:stop].round_(), alpha=self._samples)
         largest = _largest_entries(bucket.views).double().mul_(self._samples)
         if not self._calibrate:
             largest.div_(bucket.scale_tensor)  # exact: powers of two
         torch.maximum(bucket.local_max, largest, out=bucket.local_max)  # NaN propagates
 
-    def _launch_ready(self) -> None:
-        """Launch quantised buckets strictly in bucket order, so all ranks issue the same sequence."""
-        while self._next_launch < len(self._buckets) and \
-                self._buckets[self._next_launch].state is BucketState.QUANTISED:
-            bucket = self._buckets[self._next_launch]
-            self._write_trailer(bucket)
-            self._in_flight = True
-            bucket.handle = collectives.allreduce_(bucket.sums, "sum", async_op=True, check=False)
-            bucket.state = BucketState.IN_FLIGHT
-            self._next_launch += 1
+    def launch(self, bucket: FixedPointBucket) -> Waitable:  # type: ignore[override]
+        self._write_trailer(bucket)
+        self._in_flight = True
+        return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False)
 
-    def _write_trailer(self, bucket: _Bucket) -> None:
+    def end_backward(self, buckets: Sequence[Bucket]) -> None:
+        """After the last micro-batch's wait: did the exponents hold?"""
+        self.active = False
+        if self.step_ends and not self._calibrate:
+            self._in_flight = False
+            self._held = all(self._held_in(bucket) for bucket in self._buckets)
+        elif self.step_ends:
+            self._held = False
+
+    def _held_in(self, bucket: FixedPointBucket) -> bool:
+        _, nonzero, big, over = bucket.trailer
+        at_top = self.exponents[bucket.param_indices] == MAX_EXPONENT
+        return bool(((over == 0) & ((big > 0) | (nonzero == 0) | at_top)).all())
+
+    def _write_trailer(self, bucket: FixedPointBucket) -> None:
         """Counters whose sums over ranks decide, on every rank alike, whether the exponents held.
 
         A counter is 1 where this rank's largest term of a tensor passes a test, so its sum is

@@ -1,82 +1,107 @@
-"""The gradient reducer: averages gradients over ranks while backpropagation runs.
+"""The gradient engine: hooks, buckets, launching in order and the end-of-backward wait.
 
-Each parameter has a post-accumulate-grad hook. When a parameter's gradient is final, the hook
-writes it, multiplied by this rank's weight, into its bucket (and makes ``.grad`` a view of that
-slot). A bucket whose gradients are all written is launched asynchronously, strictly in bucket
-order, so every rank issues the same collectives in the same order. When autograd finishes, a
-callback launches the buckets still open (parameters that got no gradient contribute zero),
-waits for all of them, and leaves the averaged gradients in ``.grad``.
+Each parameter has one post-accumulate-grad hook. When a parameter's gradient is final, the hook
+hands it to the reducer's *summation*, which puts it into the parameter's bucket slot. A bucket
+whose gradients are all there is complete; complete buckets are launched asynchronously,
+strictly in bucket order, so every rank issues the same collectives in the same order. When
+autograd finishes, a callback completes the buckets still open (parameters that got no gradient
+contribute zero), launches them, waits for all of them, and lets the summation publish the result.
 
-Weights make the average exact when ranks hold different numbers of samples: rank ``r``
-contributes ``n_r / N`` of its mean gradient. The global count ``N`` of the first synchronised
-step is summed by a tiny allreduce launched at forward time. Every bucket's trailer also carries
-the sample counts, so after each step all ranks know that step's ``N``; from then on (for exact,
-uncompressed sums of float32/float64 buckets) the next step is weighted with the last ``N`` and
-needs no count allreduce at all: one collective and one synchronisation point fewer per step.
-Should the count differ after all (a short last batch), every rank sees so in the trailer and
-rescales its summed buckets by ``N_assumed / N``, which gives the same average up to rounding.
+What differs between ways of summing is the summation (see :class:`Summation`):
+
+* :class:`~phalanx.parallel.weighted.WeightedAverage`, ``px.DataParallel``'s: sample-weighted
+  float gradients summed by a pluggable :class:`~phalanx.parallel.reductions.Reduction`;
+* :class:`~phalanx.parallel.fixed_point.FixedPointSum`, reproducible mode's: gradients turned into
+  integers and added exactly over several backwards (micro-batches) before the last one sends them.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from phalanx.comm import collectives, runtime
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
-from phalanx.parallel.reductions import Reduction
+from phalanx.parallel.reductions import Reduction, Waitable
+from phalanx.parallel.weighted import WeightedAverage
+
+
+class Summation(Protocol):
+    """What a bucket holds and how it is summed: the part of the engine that differs per mode."""
+
+    follows_forward: bool  # the model's forward starts a step (else the caller drives the steps)
+    active: bool  # the hooks hand gradients over in the coming backward
+    launching: bool  # this backward sends its complete buckets
+    step_ends: bool  # and waits for them at its end
+
+    def bind(self, params: Sequence[torch.nn.Parameter]) -> None: ...
+    def expect_backward(self, local_samples: int) -> None: ...
+    def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]: ...
+    def begin_backward(self) -> None: ...
+    def pack(self, bucket: Bucket, slot: int, param: torch.nn.Parameter) -> None: ...
+    def fill(self, bucket: Bucket, slot: int) -> None: ...
+    def complete(self, bucket: Bucket) -> None: ...
+    def launch(self, bucket: Bucket) -> Waitable: ...
+    def end_backward(self, buckets: Sequence[Bucket]) -> None: ...
+    def reset(self, buckets: Sequence[Bucket]) -> None: ...
 
 
 class GradientReducer:
-    """Hooks, buckets and the per-step state machine of one :class:`DataParallel` model."""
+    """Hooks, buckets and the per-backward state machine of one model's gradients.
+
+    ``summation`` is a :class:`Summation`, or a :class:`Reduction` for the weighted average.
+    """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], threshold_mb: float,
-                 reduction: Reduction, check_finite: bool = False,
+                 summation: Summation | Reduction, check_finite: bool = False,
                  on_step_end: Callable[[float], float | None] | None = None):
         self.params = list(params)
         self.names = list(names)
-        self.reduction = reduction
         self.check_finite = check_finite
         self.threshold_mb = threshold_mb
-        self.syncing = True
         self._on_step_end = on_step_end
-        self._local_samples = 0
-        self._count_handle: Any = None
-        self._counted = False  # a training forward registered samples for the coming synchronised step
-        self._predicted_total: int | None = None  # last step's global count: this step's assumed one
-        self._weight_total: int | None = None  # the assumed count this step's weights used, if any
-        self._can_predict = reduction.rescalable and all(
-            p.dtype in (torch.float32, torch.float64) for p in self.params)
-        self._weight = 1.0 / runtime.size()
-        self._in_backward = False
-        self._packed: list[bool] = []
-        self._next_launch = 0
-        self._observed_order: list[int] | None = []
         self._buckets: list[Bucket] = []
-        self._install(list(reversed(range(len(self.params)))), threshold_mb)
+        self._order = list(reversed(range(len(self.params))))  # gradients become ready roughly in reverse
+        self.use(WeightedAverage(summation) if isinstance(summation, Reduction) else summation)
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(index))
                        for index, param in enumerate(self.params)]
+
+    def use(self, summation: Summation, threshold_mb: float | None = None) -> None:
+        """Sum with ``summation`` from the next backward on, in fresh buckets of its own."""
+        self.summation = summation
+        summation.bind(self.params)
+        self._buckets = []  # the old buffers go before the new ones are allocated
+        self._restart(self.threshold_mb if threshold_mb is None else threshold_mb)
+
+    @property
+    def reduction(self) -> Reduction:
+        """The weighted average's reduction (only in that mode)."""
+        return self.summation.reduction  # type: ignore[attr-defined]
+
+    @property
+    def syncing(self) -> bool:
+        """Whether the coming backward is summed over ranks (``False``: local gradients)."""
+        return self.summation.active
+
+    @syncing.setter
+    def syncing(self, value: bool) -> None:
+        self.summation.active = value
 
     # --- forward side ---------------------------------------------------------------------
 
     def expect_backward(self, local_samples: int) -> None:
-        """Record a training forward of ``local_samples``; start summing the global count unless it is known."""
-        self._local_samples += local_samples
-        if self.syncing and runtime.size() > 1:
-            self._counted = True
-            if self._predicted_total is None:
-                count = torch.tensor([self._local_samples], dtype=torch.int64)
-                self._count_handle = collectives.allreduce_(count, "sum", async_op=True, check=False)
+        """Record a training forward of ``local_samples`` (the summation may start counting)."""
+        self.summation.expect_backward(local_samples)
 
     def reduce_without_data(self) -> None:
-        """Take part in a synchronised step with no backward here: contribute only what ``.grad`` holds."""
+        """Take part in a step with no backward here: the end of a backward in which no hook ran."""
         self.expect_backward(0)
         if self.syncing:
             self._begin_backward(queue_finish=False)
-            self._finish_backward()
+            self._end_backward()
 
     def remove(self) -> None:
         """Detach every hook; the model goes back to plain local gradients."""
@@ -86,135 +111,83 @@ class GradientReducer:
     def reset(self, threshold_mb: float | None = None) -> None:
         """Forget the step in progress, for a group that broke or was re-formed (elastic training).
 
-        Drops in-flight handles and the partial sample count, lays out fresh buckets (with
-        ``threshold_mb`` if given; reductions' state, such as TopK residuals, is kept, as they were before the step
-        in flight) and learns the gradient order
-        again on the next synchronised step. Every member of the new group must call it, so that
-        reducers caught in different phases by a failure agree again.
+        Drops in-flight handles and the summation's step state, lays out fresh buckets (with
+        ``threshold_mb`` if given; reductions' state, such as TopK residuals, is kept, as they
+        were before the step in flight) and learns the gradient order again on the next
+        synchronised step. Every member of the new group must call it, so that reducers caught
+        in different phases by a failure agree again.
         """
-        for bucket in self._buckets:
-            if bucket.state is BucketState.IN_FLIGHT:  # launched in the step that is redone
-                self.reduction.rollback(bucket.context)
-        self.syncing = True
-        self._local_samples = 0
-        self._count_handle = None
-        self._counted = False
-        self._predicted_total = None
-        self._weight_total = None
+        self.summation.reset(self._buckets)
+        self._restart(self.threshold_mb if threshold_mb is None else threshold_mb)
+
+    def _restart(self, threshold_mb: float) -> None:
         self._in_backward = False
-        self._packed = []
         self._next_launch = 0
-        self._observed_order = []
-        self._install(self._order, self.threshold_mb if threshold_mb is None else threshold_mb)
+        self._observed_order: list[int] | None = [] if self.summation.follows_forward else None
+        self._install(self._order, threshold_mb)
 
     # --- backward side --------------------------------------------------------------------
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
-        def on_gradient_ready(_: torch.Tensor) -> None:
-            if not self.syncing:
+        def on_gradient_ready(param: torch.Tensor) -> None:
+            if not self.summation.active:
                 return
             if not self._in_backward:
                 self._begin_backward(queue_finish=True)
             if self._observed_order is not None:
                 self._observed_order.append(index)
-            bucket = self._pack(index)
+            bucket, slot = self._slot_of[index]
+            self.summation.pack(bucket, slot, param)
+            bucket.packed[slot] = True
             bucket.pending -= 1
-            if bucket.pending == 0 and bucket.index == self._next_launch:
-                self._launch_ready_buckets()
+            if bucket.pending == 0:
+                self._complete(bucket)
 
         return on_gradient_ready
 
     def _begin_backward(self, queue_finish: bool) -> None:
         self._in_backward = True
-        self._weight = self._resolve_weight()
-        self._packed = [False] * len(self.params)
+        self.summation.begin_backward()
         self._next_launch = 0
         for bucket in self._buckets:
             bucket.reset()
         if queue_finish:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _resolve_weight(self) -> float:
-        self._weight_total = None
-        if self._count_handle is not None:
-            total = int(self._count_handle.wait())
-            return self._local_samples / total if total else 0.0
-        if self._counted and self._predicted_total is not None:
-            self._weight_total = self._predicted_total  # checked against the trailers once summed
-            return self._local_samples / self._predicted_total
-        return 1.0 / runtime.size()
-
-    def _pack(self, index: int) -> Bucket:
-        """Write this parameter's weighted gradient into its bucket slot (zero if it has none)."""
-        bucket, slot = self._slot_of[index]
-        param, view = self.params[index], bucket.views[slot]
-        grad = param.grad
-        if grad is None or self._weight == 0.0:
-            view.zero_()  # also clears the NaN a mean over an empty batch produces
-        elif grad.data_ptr() == view.data_ptr():
-            view.mul_(self._weight)
-        else:
-            torch.mul(grad, self._weight, out=view)
-            param.grad = view
-        bucket.used[slot] = grad is not None  # the trailer is written once, at launch
-        self._packed[index] = True
-        return bucket
+    def _complete(self, bucket: Bucket) -> None:
+        self.summation.complete(bucket)
+        bucket.state = BucketState.COMPLETE
+        if bucket.index == self._next_launch and self.summation.launching:
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+        """Launch complete buckets strictly in bucket order, so all ranks issue the same sequence."""
+        while self._next_launch < len(self._buckets) and \
+                self._buckets[self._next_launch].state is BucketState.COMPLETE:
             bucket = self._buckets[self._next_launch]
-            bucket.write_trailer(self._local_samples)
-            bucket.handle = self.reduction.reduce(bucket)
+            bucket.handle = self.summation.launch(bucket)
             bucket.state = BucketState.IN_FLIGHT
             self._next_launch += 1
 
-    def _finish_backward(self) -> None:
-        """Launch what is still open, wait for every bucket, publish the averages in ``.grad``."""
-        for bucket in self._buckets[self._next_launch:]:
-            for index in bucket.param_indices:
-                if not self._packed[index]:
-                    self._pack(index)
-            bucket.pending = 0
-        self._launch_ready_buckets()
-        total = None
+    def _end_backward(self) -> None:
+        """Complete and launch what is still open; at a step's end wait for every bucket and publish."""
         for bucket in self._buckets:
-            bucket.handle.wait()
-            bucket.state = BucketState.DONE
-            total = self._publish(bucket)
-        self._learn_total(total)
+            if bucket.state is BucketState.FILLING:
+                for slot, packed in enumerate(bucket.packed):
+                    if not packed:
+                        self.summation.fill(bucket, slot)
+                self._complete(bucket)
         self._in_backward = False
-        self._local_samples = 0
-        self._count_handle = None
-        self._counted = False
-        if self.check_finite:
-            self._raise_if_not_finite()
-        self._after_step()
-
-    def _publish(self, bucket: Bucket) -> int:
-        """Point ``.grad`` at the averaged slot; parameters no rank had a gradient for keep ``None``.
-
-        Returns the global sample count the trailer carried. Where the weights assumed another
-        (non-zero) count, the summed gradients are rescaled to the true one first.
-        """
-        used, samples = bucket.read_trailer()
-        total = int(round(samples))
-        if self._weight_total is not None and total not in (0, self._weight_total):
-            bucket.flat[: bucket.gradient_numel].mul_(self._weight_total / total)
-        for slot, index in enumerate(bucket.param_indices):
-            self.params[index].grad = bucket.views[slot] if used[slot] > 0 else None
-        return total
-
-    def _learn_total(self, total: int | None) -> None:
-        """Remember this step's global count, to weight the next step with it.
-
-        Every rank holds the same summed trailer, so every rank makes the same decision here and
-        all of them skip (or launch) the next count allreduce together. Counts above 2**24 are
-        not exact in a float32 trailer, and a step without samples cannot be rescaled later.
-        """
-        if total is not None and self._can_predict and runtime.size() > 1 and 0 < total < 2**24:
-            self._predicted_total = total
-        else:
-            self._predicted_total = None
+        if self.summation.step_ends:
+            for bucket in self._buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                    bucket.state = BucketState.DONE
+        self.summation.end_backward(self._buckets)
+        if self.summation.follows_forward:
+            if self.check_finite:
+                self._raise_if_not_finite()
+            self._after_step()
 
     def _raise_if_not_finite(self) -> None:
         for index, param in enumerate(self.params):
@@ -243,37 +216,15 @@ class GradientReducer:
         return collectives.broadcast_object(observed + missing, root=0)
 
     def _install(self, order: list[int], threshold_mb: float) -> None:
-        """Lay out buckets for ``order``, moving any existing gradients into their new slots."""
-        carried = self._carried_state()
+        """Lay out buckets for ``order``; the summation moves what it carries into them."""
         self._order, self.threshold_mb = list(order), threshold_mb
         ordered = [self.params[i] for i in order]
-        self._buckets = [Bucket.allocate(b, [order[k] for k in group], self.params)
-                         for b, group in enumerate(plan_buckets(ordered, threshold_mb))]
-        for bucket in self._buckets:
-            bucket.context = self.reduction.join_state([carried.get(i) for i in bucket.param_indices],
-                                                       self._lengths(bucket))
+        groups = [[order[k] for k in group] for group in plan_buckets(ordered, threshold_mb)]
+        self._buckets = self.summation.layout(groups, self._buckets)
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for slot, index in enumerate(bucket.param_indices):
                 self._slot_of[index] = (bucket, slot)
-                self._adopt_gradient(index, bucket.views[slot])
-
-    def _carried_state(self) -> dict[int, torch.Tensor]:
-        """Each parameter's part of its bucket's reduction state (TopK residuals), before a re-layout."""
-        carried: dict[int, torch.Tensor] = {}
-        for bucket in self._buckets:
-            parts = self.reduction.split_state(bucket.context, self._lengths(bucket))
-            carried.update({index: part for index, part in zip(bucket.param_indices, parts) if part is not None})
-        return carried
-
-    def _lengths(self, bucket: Bucket) -> list[int]:
-        return [self.params[index].numel() for index in bucket.param_indices]
-
-    def _adopt_gradient(self, index: int, view: torch.Tensor) -> None:
-        param = self.params[index]
-        if param.grad is not None:
-            view.copy_(param.grad)
-            param.grad = view
 
     @property
     def bucket_sizes(self) -> list[int]:
