@@ -78,6 +78,18 @@ class FixedPointBucket(Bucket):
     or float64 for float64 parameters), and ``flat``, the buffer that is sent, holds the float64
     sums of their terms, the ``trailer`` of four counters per tensor and the ``payload``."""
 
+    scaled: torch.Tensor
+    lengths: list[int]
+    numel: int
+    exact_dtype: bool  # .grad can be a view of ``scaled``
+    streamed: list[bool]  # rounded and added in chunks from the hook
+    small_runs: list[tuple[int, int]]  # the other tensors' element ranges, rounded and added per bucket
+    local_max: torch.Tensor  # each tensor's largest term on this rank, unscaled
+    scales: list[float]
+    scale_tensor: torch.Tensor
+    sum_views: list[torch.Tensor]
+    payload: torch.Tensor
+
     @classmethod
     def allocate(cls, index: int, param_indices: list[int], params: Sequence[torch.Tensor]) -> "FixedPointBucket":
         members = [params[i] for i in param_indices]
@@ -89,7 +101,7 @@ class FixedPointBucket(Bucket):
         bucket = cls(index, list(param_indices), scaled, views, scaled[:0], used=[False] * len(members),
                      state=BucketState.DONE)
         bucket.scaled, bucket.lengths, bucket.numel = scaled, lengths, sum(lengths)
-        bucket.exact_dtype = members[0].dtype == compute  # .grad can be a view of ``scaled``
+        bucket.exact_dtype = members[0].dtype == compute
         bucket.streamed = [n >= STREAM_MIN_NUMEL for n in lengths]
         bucket.small_runs = _runs_of_small_tensors(lengths, bucket.streamed)
         bucket.local_max = torch.zeros(len(members), dtype=torch.float64)

@@ -170,24 +170,31 @@ class GradientReducer:
             self._next_launch += 1
 
     def _end_backward(self) -> None:
-        """Complete and launch what is still open; at a step's end wait for every bucket and publish."""
+        """Complete and launch what is still open; at a step's end wait for every bucket; publish."""
+        self._complete_open_buckets()
+        self._in_backward = False
+        if self.summation.step_ends:
+            self._wait_for_buckets()
+        self.summation.end_backward(self._buckets)
+        if self.summation.follows_forward:
+            if self.check_finite:
+                self._raise_if_not_finite()
+            self._after_step()
+
+    def _complete_open_buckets(self) -> None:
+        """Parameters that got no gradient in this backward contribute zero (or what ``.grad`` holds)."""
         for bucket in self._buckets:
             if bucket.state is BucketState.FILLING:
                 for slot, packed in enumerate(bucket.packed):
                     if not packed:
                         self.summation.fill(bucket, slot)
                 self._complete(bucket)
-        self._in_backward = False
-        if self.summation.step_ends:
-            for bucket in self._buckets:
-                if bucket.handle is not None:
-                    bucket.handle.wait()
-                    bucket.state = BucketState.DONE
-        self.summation.end_backward(self._buckets)
-        if self.summation.follows_forward:
-            if self.check_finite:
-                self._raise_if_not_finite()
-            self._after_step()
+
+    def _wait_for_buckets(self) -> None:
+        for bucket in self._buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.state = BucketState.DONE
 
     def _raise_if_not_finite(self) -> None:
         for index, param in enumerate(self.params):
