@@ -68,7 +68,9 @@ class ExactGradients:
     global_batch_size)`` leaves in ``.grad`` the mean gradient over the global batch, with the
     same bits on 1, 2, 3 or N workers. ``loss_fn`` must return the mean loss of its samples.
     ``state_dict()`` carries the step counter and the fixed-point exponents; checkpoint it to resume
-    bitwise. ``redone_steps`` counts recomputed passes (the first step's calibration included).
+    bitwise. Given a ``px.DataParallel``, it switches that model's reducer to the exact sum for good
+    (one set of hooks and buckets): from then on gradients are summed over ranks only inside
+    :meth:`backward`, and a plain ``loss.backward()`` on the model leaves local gradients. ``redone_steps`` counts recomputed passes (the first step's calibration included).
     """
 
     def __init__(self, model: nn.Module, micro_batch_size: int, seed: int = 0, threads: int | None = 1,
