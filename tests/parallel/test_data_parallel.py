@@ -269,3 +269,53 @@ def test_a_custom_reduction_trains_like_the_reference() -> None:
     for name, value in results[0]["params"].items():
         assert torch.equal(results[1]["params"][name], value), name
     _assert_matches(results, _reference(cfg, 2), key="params")
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: the layers after it have sent gradients already."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailsInBackward.armed:
+            raise RuntimeError("backward interrupted on purpose")
+        return grad
+
+
+class _Fails(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(x)
+
+
+def _with_a_failing_layer(net: torch.nn.Module) -> torch.nn.Module:
+    layers = list(net)
+    return torch.nn.Sequential(*layers[:4], _Fails(), layers[4])
+
+
+def _step_after_an_interrupted_backward(threshold: float) -> list[torch.Tensor]:
+    model = px.DataParallel(_with_a_failing_layer(_build("mlp", seed=100)), fusion_threshold_mb=threshold)
+    start, stop = share_bounds(12, px.size(), px.rank())
+    x, y = data("mlp", 12, seed=5)
+    _FailsInBackward.armed = True
+    with pytest.raises(RuntimeError, match="on purpose"):  # the last layer's bucket may be sent already
+        F.cross_entropy(model(x[start:stop]), y[start:stop]).backward()
+    _FailsInBackward.armed = False
+    model.zero_grad()
+    x, y = data("mlp", 12, seed=6)
+    F.cross_entropy(model(x[start:stop]), y[start:stop]).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("threshold", [0.0, 25.0])
+def test_a_step_after_a_backward_that_raised_is_exact(threshold: float) -> None:
+    reference = _build("mlp", seed=100)
+    x, y = data("mlp", 12, seed=6)
+    F.cross_entropy(reference(x), y).backward()
+    for grads in run_workers(_step_after_an_interrupted_backward, 2, threshold):
+        for got, param in zip(grads, reference.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad, rtol=1e-5, atol=1e-6)

@@ -170,3 +170,25 @@ def test_the_step_fixes_threads_and_kernels_and_then_puts_them_back() -> None:
         assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.set_num_threads(1)
+
+
+def test_a_step_after_a_backward_that_raised_has_the_same_bits() -> None:
+    from tests.parallel.test_data_parallel import _Fails, _FailsInBackward
+
+    x, y = _dataset()
+    grads = []
+    for interrupt in (False, True):
+        layers = list(_model())
+        model = nn.Sequential(layers[0], _Fails(), *layers[1:])  # raises after the later layers' hooks ran
+        exact = px.ExactGradients(model, micro_batch_size=4)
+        exact.backward(F.cross_entropy, (x[16:24],), y[16:24], global_batch_size=8)  # calibrated from here on
+        if interrupt:
+            _FailsInBackward.armed = True
+            try:
+                with pytest.raises(RuntimeError, match="on purpose"):
+                    exact.backward(F.cross_entropy, (x[:8],), y[:8], global_batch_size=8)
+            finally:
+                _FailsInBackward.armed = False
+        exact.backward(F.cross_entropy, (x[8:16],), y[8:16], global_batch_size=8)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -130,6 +130,7 @@ class ExactGradients:
     def _run_pass(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                   micro: list[MicroBatch], total_micro: int) -> list:
         """Forward and backward over this rank's micro-batches, summing into the reducer."""
+        self._reducer.forget_interrupted_backward()
         table = self._sum.begin_pass(total_micro, calibrate=not self._calibrated,
                                          payload_numel=self._running_stats.table_numel(total_micro))
         self._running_stats.begin_pass(table)

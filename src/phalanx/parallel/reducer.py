@@ -17,6 +17,7 @@ What differs between ways of summing is the summation (see :class:`Summation`):
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -27,6 +28,8 @@ from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
 from phalanx.parallel.reductions import Reduction, Waitable
 from phalanx.parallel.weighted import WeightedAverage
+
+logger = logging.getLogger(__name__)
 
 
 class Summation(Protocol):
@@ -94,7 +97,19 @@ class GradientReducer:
 
     def expect_backward(self, local_samples: int) -> None:
         """Record a training forward of ``local_samples`` (the summation may start counting)."""
+        self.forget_interrupted_backward()
         self.summation.expect_backward(local_samples)
+
+    def forget_interrupted_backward(self) -> None:
+        """Start afresh if the last backward raised before it ended (and the caller carried on).
+
+        Its buckets, counts and half-written slots would otherwise leak into the next step: the
+        reducer resets as after an elastic failure (every rank that caught the same error does
+        so alike). A forward run inside a backward (activation checkpointing) is not a new step.
+        """
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            logger.warning("phalanx: the last backward raised before it ended; its reduction is dropped.")
+            self.reset()
 
     def reduce_without_data(self) -> None:
         """Take part in a step with no backward here: the end of a backward in which no hook ran."""
