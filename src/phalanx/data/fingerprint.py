@@ -11,13 +11,13 @@ chosen by a fixed seed), the records are allgathered once, and any difference ra
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from phalanx import rng
 from phalanx.data._batch import MapData, TensorData
 from phalanx.sharding import mix_seed
 from phalanx.errors import DataMismatchError
@@ -51,16 +51,8 @@ def sample_digest(data: TensorData | MapData) -> int:
         return 0
     chosen_seed = mix_seed(_SALT, n)
     indices = torch.randint(n, (min(SAMPLES_CHECKED, n),), generator=torch.Generator().manual_seed(chosen_seed))
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(chosen_seed)
-        random.seed(chosen_seed)
-        np.random.seed(chosen_seed % 2**32)
-        try:
-            return content_digest(data.fetch(indices))
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+    with rng.seeded(chosen_seed):
+        return content_digest(data.fetch(indices))
 
 
 def record_of(samples: int | None, seed: int, global_batch_size: int, shuffle: bool, drop_last: bool,

@@ -10,7 +10,6 @@ so the gradient is exactly the mean over the global batch. See ``docs/data.md``.
 from __future__ import annotations
 
 import itertools
-import random
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
+from phalanx import rng
 from phalanx.data._batch import MapData, TensorData, empty_like_batch, identity
 from phalanx.data._prefetch import Prefetcher
 from phalanx.data._stream import chunked, mark_last, shuffle_buffer
@@ -360,10 +360,7 @@ class _WorkerSeeder:
         self.seed, self.epoch, self.rank = seed, epoch, rank
 
     def __call__(self, worker_id: int) -> None:
-        worker_seed = mix_seed(self.seed, self.epoch, self.rank, worker_id)
-        torch.manual_seed(worker_seed)
-        random.seed(worker_seed)
-        np.random.seed(worker_seed % 2**32)
+        rng.seed_all(mix_seed(self.seed, self.epoch, self.rank, worker_id))
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -16,16 +16,15 @@ from __future__ import annotations
 import collections
 import copy
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
+from phalanx import rng
 from phalanx.atomic import save_atomically
 from phalanx.comm import collectives, runtime
 from phalanx.errors import CheckpointError, ConfigurationError, PhalanxError
@@ -162,9 +161,9 @@ class State:
             entry.load_state_dict(snapshot["objects"][name])
         self._values.clear()
         self._values.update(snapshot["values"])
-        version, rng = self._committed_rng
+        version, streams = self._committed_rng
         if version == self.version:  # this member made the commit restored: its random streams go back too
-            _set_rng_state(rng)
+            rng.set_state(streams)
         for module in self._modules():
             for param in module.parameters():
                 param.grad = None
@@ -226,7 +225,7 @@ class State:
         self._follow_epoch(states)
         captured = {"version": version, "objects": states, "values": self._values}
         object.__setattr__(self, "_committed", _copy_tree(captured, self._committed))
-        object.__setattr__(self, "_committed_rng", (version, _rng_state()))
+        object.__setattr__(self, "_committed_rng", (version, rng.get_state()))
 
     def _follow_epoch(self, states: dict[str, Any]) -> None:
         """Set the value ``epoch`` from the one object whose state holds an integer epoch (the loader)."""
@@ -279,20 +278,6 @@ class State:
                   f"first step done {record.event_to_step_s:.2f}s after the event, "
                   f"{record.detected_to_step_s:.2f}s after detection (re-forming took {record.reform_s:.2f}s)",
                   file=sys.stderr, flush=True)
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's random streams (torch, CUDA, Python, NumPy): local to the member, never sent."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _is_stateful(entry: Any) -> bool:

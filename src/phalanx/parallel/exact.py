@@ -70,7 +70,8 @@ class ExactGradients:
     ``state_dict()`` carries the step counter and the fixed-point exponents; checkpoint it to resume
     bitwise. Given a ``px.DataParallel``, it switches that model's reducer to the exact sum for good
     (one set of hooks and buckets): from then on gradients are summed over ranks only inside
-    :meth:`backward`, and a plain ``loss.backward()`` on the model leaves local gradients. ``redone_steps`` counts recomputed passes (the first step's calibration included).
+    :meth:`backward`, and a plain ``loss.backward()`` on the model leaves local gradients.
+    ``redone_steps`` counts recomputed passes (the first step's calibration included).
     """
 
     def __init__(self, model: nn.Module, micro_batch_size: int, seed: int = 0, threads: int | None = 1,
