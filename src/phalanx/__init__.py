@@ -25,7 +25,9 @@ from phalanx.comm.runtime import (
     local_rank,
     local_size,
     node_rank,
+    num_servers,
     rank,
+    role,
     shutdown,
     size,
     timeout,
@@ -35,6 +37,8 @@ from phalanx.parallel.batchnorm import SyncBatchNorm
 from phalanx.parallel.reductions import Reduction, TopK
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.exact import ExactGradients
+from phalanx.strategies.central_storage import CentralStorage
+from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train import callbacks, lr, metrics
 from phalanx.train.fit import evaluate, fit
 from phalanx.train.lr import scale_lr
@@ -49,18 +53,19 @@ from phalanx.errors import (
     NonFiniteGradientError,
     NotInitializedError,
     PhalanxError,
+    ServerFailedError,
     WorkerFailedError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "ExactGradients", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "evaluate", "fit", "lr",
+    "CentralStorage", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
     "WorkerFailedError", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "device", "init", "is_initialized", "is_master",
-    "local_rank", "local_size", "node_rank", "rank", "reduce", "reduce_scatter", "shutdown", "size",
+    "local_rank", "local_size", "node_rank", "num_servers", "rank", "role", "reduce", "reduce_scatter", "shutdown", "size",
     "timeout",
 ]

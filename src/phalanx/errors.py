@@ -33,6 +33,14 @@ class CollectiveTimeoutError(CollectiveError):
     """A peer died or did not answer within the timeout during a collective."""
 
 
+class ServerFailedError(CollectiveError):
+    """A parameter server died, or did not answer within the timeout; the message names it.
+
+    Raised on every worker that talks to it. The job's last checkpoint is intact: start it again
+    with ``resume=True`` to continue from there.
+    """
+
+
 class DataMismatchError(ConfigurationError):
     """Ranks hold different datasets (or loader settings) where global batches need the same one.
 

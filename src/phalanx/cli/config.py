@@ -39,6 +39,17 @@ class WorkerSpec:
     node_rank: int
     command: tuple[str, ...]
     variables: Mapping[str, str] = field(default_factory=dict)
+    server: int | None = None  # this process's index among the job's parameter servers, if it is one
+
+    @property
+    def label(self) -> str:
+        """The prefix of its output lines: the worker's rank, or ``s1`` for parameter server 1."""
+        return str(self.rank) if self.server is None else f"s{self.server}"
+
+    @property
+    def name(self) -> str:
+        """``worker rank 3`` or ``parameter server 1``, for the launcher's messages."""
+        return f"worker rank {self.rank}" if self.server is None else f"parameter server {self.server}"
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The worker's full environment: ``base`` plus the launcher's variables.
@@ -75,6 +86,12 @@ class LaunchConfig:
     max_nnodes: int | None = None
     min_workers: int | None = None
     heartbeat_timeout_s: float | None = None
+    servers_per_node: int = 0
+
+    @property
+    def num_servers(self) -> int:
+        """Parameter-server processes in the whole job (``--servers S`` on each of the hosts)."""
+        return self.servers_per_node * self.nnodes
 
     @property
     def elastic(self) -> bool:
@@ -125,6 +142,26 @@ class LaunchConfig:
         """One spec per local worker; global ranks follow ``node_rank * nproc_per_node + local_rank``."""
         return [self._worker_spec(local_rank, master_port) for local_rank in range(self.nproc_per_node)]
 
+    def server_specs(self, master_port: int) -> list[WorkerSpec]:
+        """One spec per local parameter server (``--servers``); their indices follow the node rank.
+
+        A server runs the same command as the workers with ``PHALANX_ROLE=server``; its
+        ``px.rank()`` is the job's worker count plus its index, so ``px.rank() == 0`` stays one worker.
+        """
+        specs = []
+        for local in range(self.servers_per_node):
+            server = self.node_rank * self.servers_per_node + local
+            variables = self._common_variables(master_port)
+            variables.update(PHALANX_ROLE="server", PHALANX_SERVER_RANK=str(server),
+                             PHALANX_RANK=str(self.world_size + server), PHALANX_WORLD_SIZE=str(self.world_size),
+                             PHALANX_LOCAL_RANK=str(self.nproc_per_node + local),
+                             PHALANX_LOCAL_WORLD_SIZE=str(self.nproc_per_node))
+            specs.append(WorkerSpec(rank=self.world_size + server, local_rank=self.nproc_per_node + local,
+                                    world_size=self.world_size, local_world_size=self.nproc_per_node,
+                                    node_rank=self.node_rank, command=self.command(), variables=variables,
+                                    server=server))
+        return specs
+
     def _worker_spec(self, local_rank: int, master_port: int) -> WorkerSpec:
         rank = self.node_rank * self.nproc_per_node + local_rank
         return WorkerSpec(
@@ -144,13 +181,19 @@ class LaunchConfig:
         variables = {key: str(value) for key, value in layout.items()}
         variables.update({f"PHALANX_{key}": value for key, value in variables.items()})
         variables.update(self._torchrun_variables(rank, master_port))
-        variables.update(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
-                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
-                         PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0")
-        if self.timeout_s is not None:
-            variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
+        variables.update(self._common_variables(master_port))
         if self.elastic:
             variables[ELASTIC_ENV] = "1"
+        return variables
+
+    def _common_variables(self, master_port: int) -> dict[str, str]:
+        """What workers and parameter servers alike are told: the store, the node, the servers, the timeout."""
+        variables = dict(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
+                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
+                         PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0",
+                         PHALANX_SERVERS=str(self.num_servers))
+        if self.timeout_s is not None:
+            variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
         if not is_loopback(self.master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
             interface = interface_towards(self.master_addr)
             if interface:  # Gloo would otherwise pick the address the host name resolves to
@@ -190,6 +233,13 @@ class LaunchConfig:
         if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= 0:
             raise ConfigurationError(
                 f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout_s:g}."
+            )
+        if self.servers_per_node < 0:
+            raise ConfigurationError(f"--servers must be 0 or more parameter servers per host, got {self.servers_per_node}.")
+        if self.servers_per_node and self.max_nnodes is not None:
+            raise ConfigurationError(
+                "--servers needs a fixed set of hosts: parameter servers hold the model, so the hosts running "
+                "them cannot come and go. Pass --nnodes N (not MIN:MAX); --min-workers still lets workers be lost."
             )
         if self.grace_s < 0:
             raise ConfigurationError(f"--grace must be 0 or more seconds, got {self.grace_s:g}.")

@@ -78,9 +78,16 @@ class ElasticSupervisor(Supervisor):
     # --- the policy -------------------------------------------------------------------------
 
     def on_worker_exit(self, worker: Worker) -> LaunchResult | None:
-        """A lost worker is reported, not fatal; the launch ends when no local worker runs."""
+        """A lost worker is reported, not fatal; the launch ends when no local worker runs.
+
+        A parameter server holds part of the model: its failure ends the job as without --min-workers.
+        """
         code = worker.exit_code
         assert code is not None
+        if worker.spec.server is not None:
+            if code != 0:
+                return self._failed(worker)
+            return None if any(w.running for w in self.workers) else self._result()
         self._post({"type": "exit", "member": self.members[worker], "code": code, "time": time.time()})
         if code == 0:
             with contextlib.suppress(RuntimeError, OSError):

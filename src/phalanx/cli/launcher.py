@@ -68,9 +68,11 @@ class Supervisor:
         return result
 
     def start_workers(self, master_port: int) -> None:
-        """Start one worker per local spec."""
+        """Start one worker per local spec, then this host's parameter servers (``--servers``)."""
         for spec in self.config.worker_specs(master_port):
             self.start_worker(spec)
+        for spec in self.config.server_specs(master_port):
+            Supervisor.start_worker(self, spec)  # a server is never an elastic member
 
     def start_worker(self, spec: WorkerSpec) -> Worker:
         """Start one worker and watch it; it joins :attr:`workers` only once its process exists."""
@@ -166,7 +168,8 @@ class Supervisor:
                 self.board.post_failure(self.config.node_rank, worker.rank, worker.exit_code or 1)
         self.terminate_all()  # the tail is complete only once the worker's stderr reached EOF
         assert worker.exit_code is not None
-        failure = WorkerFailure(worker.rank, worker.pid, worker.exit_code, tuple(worker.stderr_tail), others)
+        failure = WorkerFailure(worker.rank, worker.pid, worker.exit_code, tuple(worker.stderr_tail), others,
+                                worker.name)
         return LaunchResult(exit_code=worker.exit_code, failure=failure)
 
     def _stopped_by_signal(self, signum: int) -> LaunchResult:

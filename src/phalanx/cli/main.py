@@ -42,6 +42,7 @@ examples:
   phalanx run -n 4 train.py --epochs 3
   phalanx run -n 2 -m mypackage.train --lr 0.1
   phalanx run -n 4 --min-workers 2 train.py                  # elastic, one host
+  phalanx run -n 3 --servers 2 train.py                      # 3 workers, 2 parameter servers
   phalanx run -n 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
   phalanx run -n 2 --nnodes 1:4 --node-rank 3 --master-addr 10.0.0.1 --master-port 29500 train.py"""
 
@@ -122,6 +123,7 @@ def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) 
         max_nnodes=max_nnodes,
         min_workers=namespace.min_workers,
         heartbeat_timeout_s=namespace.heartbeat_timeout,
+        servers_per_node=namespace.servers,
     )
 
 
@@ -166,6 +168,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
            help="this host's index, 0 to nnodes-1 (default 0); node 0 hosts the rendezvous store")
     option("--min-workers", type=int, default=None, metavar="K",
            help="elastic: go on after losing workers while at least K remain (default: stop at the first failure)")
+    option("--servers", type=int, default=0, metavar="S",
+           help="also start S parameter-server processes on this host running the same script "
+                "(px.role() == 'server'; see docs/strategies.md)")
     option("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
            help="elastic: a worker silent this long is declared dead and killed (default: half of --timeout, at most 30)")
     option("--master-addr", default=DEFAULT_MASTER_ADDR, metavar="ADDR",

@@ -37,16 +37,18 @@ class WorkerFailure:
     exit_code: int
     stderr_tail: tuple[str, ...]
     others_stopped: int
+    name: str = ""  # "worker rank 3" or "parameter server 1"; from the rank when empty
 
     def describe(self) -> str:
         """A summary for the launcher's stderr: who failed, how, and its traceback again."""
-        head = (f"phalanx run: worker rank {self.rank} (pid {self.pid}) failed with {describe_exit(self.exit_code)}; "
-                f"stopped the other {self.others_stopped} running worker(s).")
+        name = self.name or f"worker rank {self.rank}"
+        head = (f"phalanx run: {name} (pid {self.pid}) failed with {describe_exit(self.exit_code)}; "
+                f"stopped the other {self.others_stopped} running process(es).")
         if not self.stderr_tail:
-            return f"{head}\nphalanx run: rank {self.rank} wrote nothing to stderr."
+            return f"{head}\nphalanx run: {name} wrote nothing to stderr."
         tail = "\n".join(self.stderr_tail)
-        return (f"{head}\n---- last {len(self.stderr_tail)} line(s) of rank {self.rank}'s stderr ----\n"
-                f"{tail}\n---- end of rank {self.rank}'s stderr ----")
+        return (f"{head}\n---- last {len(self.stderr_tail)} line(s) of {name}'s stderr ----\n"
+                f"{tail}\n---- end of {name}'s stderr ----")
 
 
 @dataclass(frozen=True)
@@ -99,31 +101,31 @@ class OutputRelay:
         self._prefix = prefix
         self._lock = threading.Lock()
 
-    def start(self, rank: int, pipe: IO[bytes], stream: str, tail: Deque[str] | None = None) -> threading.Thread:
+    def start(self, label: int | str, pipe: IO[bytes], stream: str, tail: Deque[str] | None = None) -> threading.Thread:
         """Relay ``pipe`` to ``stream`` on a daemon thread until EOF; remember lines in ``tail``."""
-        thread = threading.Thread(target=self._pump, args=(rank, pipe, stream, tail),
-                                  name=f"phalanx-relay-{rank}-{stream}", daemon=True)
+        thread = threading.Thread(target=self._pump, args=(label, pipe, stream, tail),
+                                  name=f"phalanx-relay-{label}-{stream}", daemon=True)
         thread.start()
         return thread
 
-    def _pump(self, rank: int, pipe: IO[bytes], stream: str, tail: Deque[str] | None) -> None:
+    def _pump(self, label: int | str, pipe: IO[bytes], stream: str, tail: Deque[str] | None) -> None:
         pending = b""
         with contextlib.suppress(OSError, ValueError):
             while chunk := os.read(pipe.fileno(), 1 << 16):
                 lines, pending = split_lines(pending + chunk)
-                self._emit(rank, lines, stream, tail)
+                self._emit(label, lines, stream, tail)
         if pending:
-            self._emit(rank, [pending + b"\n"], stream, tail)
+            self._emit(label, [pending + b"\n"], stream, tail)
         with contextlib.suppress(OSError):
             pipe.close()
 
-    def _emit(self, rank: int, lines: Sequence[bytes], stream: str, tail: Deque[str] | None) -> None:
+    def _emit(self, label: int | str, lines: Sequence[bytes], stream: str, tail: Deque[str] | None) -> None:
         lines = [line for line in lines if line != b"\r"]  # a bare \r would only print an empty prefix
         if not lines:
             return
         if tail is not None:
             tail.extend(line.decode(errors="replace").rstrip("\r\n") for line in lines)
-        prefix = f"[{rank}] ".encode() if self._prefix else b""
+        prefix = f"[{label}] ".encode() if self._prefix else b""
         self.write(stream, b"".join(prefix + line for line in lines))
 
     def write(self, stream: str, data: bytes) -> None:
@@ -207,6 +209,16 @@ class Worker:
         return self.spec.rank
 
     @property
+    def label(self) -> str:
+        """The prefix of its output lines: the rank, or ``s1`` for parameter server 1."""
+        return self.spec.label
+
+    @property
+    def name(self) -> str:
+        """``worker rank 3`` or ``parameter server 1``, for messages."""
+        return self.spec.name
+
+    @property
     def pid(self) -> int:
         return self.process.pid if self.process is not None else -1
 
@@ -230,9 +242,9 @@ class Worker:
             preexec_fn=die_with_launcher(os.getpid()),
         )
         assert self.process.stdout is not None and self.process.stderr is not None
-        self._relays = [relay.start(self.rank, self.process.stdout, "stdout"),
-                        relay.start(self.rank, self.process.stderr, "stderr", self.stderr_tail)]
-        threading.Thread(target=self._wait, args=(on_exit,), name=f"phalanx-wait-{self.rank}", daemon=True).start()
+        self._relays = [relay.start(self.label, self.process.stdout, "stdout"),
+                        relay.start(self.label, self.process.stderr, "stderr", self.stderr_tail)]
+        threading.Thread(target=self._wait, args=(on_exit,), name=f"phalanx-wait-{self.label}", daemon=True).start()
 
     def _wait(self, on_exit: Callable[[Worker], None]) -> None:
         assert self.process is not None

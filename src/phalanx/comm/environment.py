@@ -33,6 +33,9 @@ class LaunchInfo:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
     store_hosted: bool = False
+    role: str = "worker"  # or "server": a parameter server (``phalanx run --servers``)
+    server_rank: int = -1  # a server's index among the job's servers
+    num_servers: int = 0  # parameter servers in the job
 
 
 class Environment:
@@ -92,6 +95,9 @@ class PhalanxLauncher(Environment):
             master_addr=self.env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=self._master_port(),
             store_hosted=self.env.get("PHALANX_STORE_HOSTED", "0") == "1",
+            role=self.env.get("PHALANX_ROLE", "worker"),
+            server_rank=self._int("PHALANX_SERVER_RANK", -1),
+            num_servers=self._int("PHALANX_SERVERS", 0),
         )
 
 
@@ -210,6 +216,11 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
 
 
 def _validate(info: LaunchInfo) -> None:
+    if info.role == "server":  # ranks size + server index, beyond the workers'
+        if not 0 <= info.server_rank < info.num_servers or info.rank != info.world_size + info.server_rank:
+            raise ConfigurationError(f"{info.source} launch: parameter server {info.server_rank} of "
+                                     f"{info.num_servers} has an inconsistent rank {info.rank}.")
+        return
     if info.world_size < 1 or not 0 <= info.rank < info.world_size:
         raise ConfigurationError(
             f"{info.source} launch: rank {info.rank} is not within a world of {info.world_size}; "

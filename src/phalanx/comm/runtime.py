@@ -69,13 +69,18 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     info = detect()
     timeout_s = _resolve_timeout(timeout)
     backend = _resolve_backend(backend)
+    if info.role == "server":  # a parameter server meets the workers through the store only
+        _runtime = _Runtime(info, timeout_s, "gloo", torch.device("cpu"), store=_connect_store(info, timeout_s))
+        _shutdown_at_exit()
+        return
     device = _select_device(backend, info)
     if dist.is_initialized():
         _runtime = _adopt_existing_group(info, timeout_s, device)
     elif _elastic_launch():
         _runtime = _init_elastic(info, timeout_s, backend, device)
-    elif info.world_size == 1:
-        _runtime = _Runtime(info, timeout_s, backend, device)
+    elif info.world_size == 1:  # no group; the store only where parameter servers wait for this worker
+        _runtime = _Runtime(info, timeout_s, backend, device,
+                            store=_connect_store(info, timeout_s) if info.num_servers else None)
     else:
         _runtime = _create_group(info, timeout_s, backend, device)
     _shutdown_at_exit()
@@ -168,6 +173,33 @@ def node_rank() -> int:
 def is_master() -> bool:
     """True on rank 0, the worker that writes checkpoints and logs."""
     return rank() == 0
+
+
+def worker_id() -> int:
+    """An id for this worker that stays the same across elastic re-formings (its rank otherwise)."""
+    return _elastic.member if _elastic is not None else rank()
+
+
+def role() -> str:
+    """``"worker"``, or ``"server"`` in a parameter-server process (``phalanx run --servers``).
+
+    A server's ``rank()`` is ``size()`` plus its index among the servers; ``size()`` is the
+    number of workers everywhere. Servers take part in no collective: ``px.fit`` serves in them.
+    """
+    return _runtime.info.role if _runtime else detect().role
+
+
+def num_servers() -> int:
+    """The number of parameter-server processes in the job (0 without ``--servers``)."""
+    return (_runtime.info if _runtime else detect()).num_servers
+
+
+def server_rank() -> int:
+    """This parameter server's index in ``[0, num_servers())``; raises in a worker."""
+    info = _require_runtime().info
+    if info.role != "server":
+        raise ConfigurationError("server_rank() is only defined in a parameter-server process (px.role() == 'server').")
+    return info.server_rank
 
 
 def timeout() -> float:

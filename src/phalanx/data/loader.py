@@ -111,6 +111,7 @@ class DistributedLoader:
         self._consumed = 0
         self._finished = False
         self._active: weakref.ref | None = None
+        self._plan: tuple[int, list[torch.Tensor]] | None = None  # batch_at's epoch plan
         self._data_check_pending = bool(check_same_data) and _shards_the_job(self.rank, self.world_size)
 
     # ----------------------------------------------------------------- sizes and position
@@ -196,6 +197,23 @@ class DistributedLoader:
         if self._at_epoch_end():
             self._epoch, self._consumed, self._finished = self._epoch + 1, 0, False
         return self._consume(self._produce(self._epoch, self._consumed))
+
+    def batch_at(self, epoch: int, step: int, share: int, shares: int) -> Any:
+        """Share ``share`` of ``shares`` of global batch ``step`` of ``epoch``, fetched on demand.
+
+        For work dealt at run time (asynchronous parameter servers): the same permutation and
+        contiguous shares as iteration, in any order. Map-style datasets and tensors only.
+        """
+        if self._data is None:
+            raise ConfigurationError(
+                "batches dealt on demand (asynchronous training) need a map-style dataset or tensors, not a stream.")
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, epoch_plan(len(self._data), self.global_batch_size, seed=self.seed, epoch=epoch,
+                                            shuffle=self.shuffle, drop_last=self.drop_last))
+        global_batch = self._plan[1][step]
+        indices = local_share(global_batch, shares, share, self.granularity)
+        self.last_global_batch_size, self.last_local_batch_size = len(global_batch), len(indices)
+        return self._data.fetch(indices) if len(indices) else self._data.empty(int(global_batch[0]))
 
     def close(self) -> None:
         """Stop the active iteration's prefetch thread or workers, if any."""
@@ -389,6 +407,8 @@ def _runtime_rank_and_size() -> tuple[int, int]:
         return 0, 1
     if not runtime.is_initialized():
         return 0, 1
+    if runtime.role() == "server":  # a parameter server builds the script's loaders but never iterates them
+        return 0, runtime.size()
     return runtime.rank(), runtime.size()
 
 

@@ -15,6 +15,7 @@ from phalanx.parallel import batchnorm, reductions, replicate
 from phalanx.parallel.autotune import FusionTuner
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.reducer import GradientReducer, Summation
+from phalanx.parallel.weighted import WeightedAverage
 
 
 class DataParallel(nn.Module):
@@ -60,8 +61,9 @@ class DataParallel(nn.Module):
         self._check_finite = check_finite
         self.reducer = self._make_reducer(threshold)
 
-    def _make_reducer(self, threshold: float, summation: Summation | None = None) -> GradientReducer | None:
-        if runtime.size() == 1 and not self._check_finite and summation is None:
+    def _make_reducer(self, threshold: float, summation: Summation | None = None,
+                      always: bool = False) -> GradientReducer | None:
+        if runtime.size() == 1 and not self._check_finite and summation is None and not always:
             return None
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         return GradientReducer([p for _, p in named], [name for name, _ in named], threshold,
@@ -82,6 +84,18 @@ class DataParallel(nn.Module):
         else:
             self.reducer.use(summation, threshold_mb)
         return self.reducer
+
+    def use_reduction(self, reduction: reductions.Reduction) -> None:
+        """Sum buckets with ``reduction`` from the next backward on, in buckets laid out for it.
+
+        How strategies plug in (central storage reduces onto one rank, a parameter-server worker
+        pushes to the servers); the reducer exists from now on at any world size.
+        """
+        self._reduction = reduction
+        if self.reducer is None:
+            self.reducer = self._make_reducer(DEFAULT_FUSION_THRESHOLD_MB, always=True)
+        else:
+            self.reducer.use(WeightedAverage(reduction))
 
     def reset_reducer(self, threshold_mb: float | None = None) -> None:
         """Forget any step in progress and lay out the buckets afresh, for a re-formed group.

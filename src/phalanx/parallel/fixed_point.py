@@ -137,6 +137,7 @@ class FixedPointSum:
     exponents; so does a pass that failed.
     """
 
+    learns_order = False  # it drives its own steps; the layout comes from the caller
     follows_forward = False  # ExactGradients drives the passes, not the model's forward
 
     def __init__(self) -> None:

@@ -39,6 +39,7 @@ class Summation(Protocol):
     active: bool  # the hooks hand gradients over in the coming backward
     launching: bool  # this backward sends its complete buckets
     step_ends: bool  # and waits for them at its end
+    learns_order: bool  # the first step's gradient order lays out the buckets
 
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None: ...
     def expect_backward(self, local_samples: int) -> None: ...
@@ -138,7 +139,8 @@ class GradientReducer:
     def _restart(self, threshold_mb: float) -> None:
         self._in_backward = False
         self._next_launch = 0
-        self._observed_order: list[int] | None = [] if self.summation.follows_forward else None
+        learning = self.summation.follows_forward and self.summation.learns_order
+        self._observed_order: list[int] | None = [] if learning else None
         self._install(self._order, threshold_mb)
 
     # --- backward side --------------------------------------------------------------------

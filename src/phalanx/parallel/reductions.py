@@ -20,7 +20,7 @@ overflow where the average itself would not.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -46,6 +46,14 @@ class Reduction:
     #: an exact sum; a subclass is taken to be False unless it declares otherwise. The reducer
     #: relies on it to skip the per-step sample-count allreduce (see :mod:`phalanx.parallel.reducer`).
     rescalable = True
+    #: True: each rank's gradients arrive multiplied by its share ``n_r / N`` of the global batch,
+    #: so the plain sum over ranks is the average. False: multiplied by the rank's sample count
+    #: ``n_r`` alone, with no count collective among ranks, for a receiver that divides the sum by
+    #: the counts in the trailers itself (a parameter server).
+    weights_by_share = True
+    #: Whether buckets follow the order in which gradients became ready in the first step (rank
+    #: 0's, agreed by one broadcast). A reduction with a layout of its own sets False.
+    follows_gradient_order = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -55,6 +63,12 @@ class Reduction:
     def reduce(self, bucket: Bucket) -> Waitable:
         """Start summing ``bucket.flat`` over ranks; the returned handle's ``wait()`` completes it."""
         return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False)
+
+    def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
+        """The parameter indices of each bucket, in launch order; by default the reducer's plan
+        ``groups`` (fused by size in the order gradients become ready). A reduction that sends
+        buckets to fixed destinations lays them out its own way; buckets never mix dtypes."""
+        return groups
 
     def split_state(self, state: dict[str, Any], lengths: list[int]) -> list[torch.Tensor | None]:
         """A bucket's carried state cut per parameter (``lengths`` elements each), so that it

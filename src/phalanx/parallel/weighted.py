@@ -41,6 +41,11 @@ class WeightedAverage:
         self._predicted_total: int | None = None  # last step's global count: this step's assumed one
         self._weight = 1.0 / runtime.size()
 
+    @property
+    def learns_order(self) -> bool:
+        """Whether the reducer should learn the gradient order of the first step for the layout."""
+        return self.reduction.follows_gradient_order
+
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
         self._can_predict = self.reduction.rescalable and all(
@@ -57,7 +62,7 @@ class WeightedAverage:
     def expect_backward(self, local_samples: int) -> None:
         """Record a training forward of ``local_samples``; start summing the global count unless it is known."""
         self._local_samples += local_samples
-        if self.active and runtime.size() > 1:
+        if self.active and runtime.size() > 1 and self.reduction.weights_by_share:
             self._counted = True
             if self._predicted_total is None:
                 count = torch.tensor([self._local_samples], dtype=torch.int64)
@@ -77,6 +82,7 @@ class WeightedAverage:
     def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]:
         """Buckets for ``groups``; reduction state (TopK residuals) and gradients move into them."""
         carried = self.carried_state(previous)
+        groups = self.reduction.bucket_groups(groups, self.params)
         buckets = [Bucket.allocate(b, group, self.params) for b, group in enumerate(groups)]
         for bucket in buckets:
             bucket.context = self.reduction.join_state([carried.get(i) for i in bucket.param_indices],
@@ -109,6 +115,8 @@ class WeightedAverage:
 
     def _resolve_weight(self) -> float:
         self._weight_total = None
+        if not self.reduction.weights_by_share:  # the receiver divides by the summed counts
+            return float(self._local_samples)
         if self._count_handle is not None:
             total = int(self._count_handle.wait())
             return self._local_samples / total if total else 0.0

@@ -18,11 +18,17 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks as cb, checkpoint
+from phalanx.strategies.central_storage import CentralStorage
+from phalanx.strategies.parameter_server import ParameterServer
+from phalanx.train.async_loop import train_async
 from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
 from phalanx.train.state import History, LoopPosition, TrainState
+from phalanx.train.steps import apply_schedule, evaluate_batches, train_step
 
 LOG_EVERY_STEPS = 10
+
+Strategy = ParameterServer | CentralStorage
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
         callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
         reproducible: bool = False, micro_batch_size: int | None = None, verbose: int = 1,
-        log_dir: str | Path | None = None) -> History:
+        log_dir: str | Path | None = None, strategy: Strategy | None = None) -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
     ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
@@ -44,14 +50,21 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     says which, and when training was already complete).
     ``reproducible=True`` with ``micro_batch_size=m`` makes the trained weights bitwise identical
     for any number of workers (see :mod:`phalanx.parallel.exact` and docs/reproducibility.md).
+    ``strategy`` places parameters and optimizer state otherwise than on every worker:
+    :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
+    process ``fit`` serves, and returns the workers' history) or
+    :class:`px.CentralStorage <phalanx.strategies.central_storage.CentralStorage>`; see docs/strategies.md.
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
     """
     runtime.init()
     micro = _micro_batch_size(reproducible, micro_batch_size)
-    torch.manual_seed(mix_seed(seed, runtime.rank()))
-    model = _wrap(model)
+    _check_strategy(strategy, micro, checkpoint_dir)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
     val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
+    if runtime.role() == "server":
+        return _serve(strategy, model, optimizer, loader, val_loader, len(resolve(metrics)))
+    torch.manual_seed(mix_seed(seed, runtime.rank()))
+    model, optimizer = strategy.setup(model, optimizer) if strategy is not None else (_wrap(model), optimizer)
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
                        exact=ExactGradients(model, micro, seed) if micro else None)
     hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
@@ -60,7 +73,14 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
         resumed_from = checkpoint.restore(state, checkpoint_dir)
         if resumed_from is not None:
             _report_resume(state, resumed_from, checkpoint_dir, verbose)
-    _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+    try:
+        if strategy is not None and strategy.asynchronous:
+            train_async(state, hooks, loss_fn, val_loader, lr_schedule, strategy.client)
+        else:
+            _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+    finally:
+        if strategy is not None:
+            strategy.finish(state.history.state_dict())
     return state.history
 
 
@@ -68,7 +88,34 @@ def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, 
              metrics: Sequence[str | Metric] = ()) -> dict[str, float]:
     """Global loss and metrics of ``model`` over ``data``, each worker evaluating its share."""
     runtime.init()
-    return _evaluate(model, loss_fn, _loader(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
+    return evaluate_batches(model, loss_fn, _loader(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
+
+
+def _serve(strategy: Strategy | None, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader,
+           val_loader: DistributedLoader | None, num_metrics: int) -> History:
+    """A parameter server's ``fit``: serve its shard until the workers are done; their history."""
+    if not isinstance(strategy, ParameterServer):
+        raise ConfigurationError(
+            "this process is a parameter server (phalanx run --servers), so px.fit needs "
+            "strategy=px.ParameterServer(...); without one, launch without --servers.")
+    shares = runtime.size()
+    history = strategy.serve(model, optimizer, train_tasks=len(loader) * shares,
+                             val_tasks=len(val_loader) * shares if val_loader is not None else 0,
+                             metric_values=2 * num_metrics)
+    return History.from_state_dict(history) if history is not None else History()
+
+
+def _check_strategy(strategy: Strategy | None, micro_batch_size: int | None,
+                    checkpoint_dir: str | Path | None) -> None:
+    if strategy is None:
+        return
+    if micro_batch_size is not None:
+        raise ConfigurationError("reproducible=True trains with px.DataParallel only; drop strategy= or reproducible=.")
+    if isinstance(strategy, CentralStorage) and strategy.rank != 0 and checkpoint_dir is not None:
+        raise ConfigurationError("checkpoints are written by rank 0, so with checkpoint_dir use CentralStorage(rank=0).")
+    if runtime.role() == "worker" and runtime.num_servers() and not isinstance(strategy, ParameterServer):
+        raise ConfigurationError(
+            "the job was launched with parameter servers (--servers), but strategy= is not px.ParameterServer.")
 
 
 def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, verbose: int) -> None:
@@ -125,7 +172,7 @@ def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: 
         if logs is None:  # stopped mid-epoch: the position stays resumable
             return
         if val_loader is not None:
-            logs.update(_evaluate(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
+            logs.update(evaluate_batches(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
         state.history.append(epoch, logs)
         hooks.on_epoch_end(epoch, logs, state)
         commit()
@@ -157,9 +204,9 @@ def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
     logs: dict[str, float] = {}
     started, samples = time.perf_counter(), 0
     for batch in state.loader:
-        _apply_schedule(state, lr_schedule)
+        apply_schedule(state, lr_schedule)
         hooks.on_step_begin(state.step, state)
-        _train_step(state, batch, loss_fn)
+        train_step(state, batch, loss_fn)
         state.step, state.global_step = state.step + 1, state.global_step + 1
         samples += state.loader.last_global_batch_size
         if state.step % LOG_EVERY_STEPS == 0 or not logs:
@@ -170,51 +217,6 @@ def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
         if state.stop_training and state.step < state.steps_per_epoch:
             return False
     return True
-
-
-def _train_step(state: TrainState, batch: Any, loss_fn: Callable) -> None:
-    inputs, targets = _split(batch)
-    metrics = state.metrics
-    state.optimizer.zero_grad(set_to_none=True)
-    if state.exact is not None:
-        for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
-                                                                 state.loader.last_global_batch_size):
-            for metric in metrics:
-                metric.update(outputs, micro_targets, loss * len(micro_targets))
-    elif len(targets) == 0:
-        state.model.reduce_without_data()
-    else:
-        outputs = state.model(*inputs)
-        loss = loss_fn(outputs, targets)
-        loss.backward()
-        with torch.no_grad():
-            for metric in metrics:
-                metric.update(outputs.detach(), targets, loss.detach() * len(targets))
-    state.optimizer.step()
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, loss_fn: Callable, loader: Any, metrics: list[Metric], prefix: str) -> dict[str, float]:
-    was_training = model.training
-    model.eval()
-    for metric in metrics:
-        metric.reset()
-    for batch in loader:
-        inputs, targets = _split(batch)
-        if len(targets):
-            outputs = model(*inputs)
-            for metric in metrics:
-                metric.update(outputs, targets, loss_fn(outputs, targets) * len(targets))
-    model.train(was_training)
-    return reduce_metrics(metrics, prefix)
-
-
-def _apply_schedule(state: TrainState, lr_schedule: Schedule | None) -> None:
-    if lr_schedule is not None:
-        rate = lr_schedule(state.fractional_epoch)
-        state.scheduled_lrs = [rate] * len(state.optimizer.param_groups)
-    for group, rate in zip(state.optimizer.param_groups, state.scheduled_lrs):
-        group["lr"] = rate
 
 
 def _wrap(model: nn.Module) -> DataParallel:
@@ -245,17 +247,6 @@ def _loader(data: Any, global_batch_size: int, seed: int, shuffle: bool,
             f"micro_batch_size={micro_batch_size}."
         )
     return data
-
-
-def _split(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``(inputs..., targets)`` moved to this worker's device."""
-    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-        raise ConfigurationError(
-            "px.fit expects batches of (inputs..., targets); give a dataset whose items are (x, y) pairs."
-        )
-    device = runtime.device()
-    moved = [part.to(device, non_blocking=True) if isinstance(part, torch.Tensor) else part for part in batch]
-    return tuple(moved[:-1]), moved[-1]
 
 
 def _callbacks(lr_schedule: Schedule | None, user: Sequence[Any], verbose: int, global_batch_size: int,

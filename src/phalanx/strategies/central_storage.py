@@ -1,0 +1,108 @@
+"""Central storage: the optimizer state in one place, the parameters on every worker.
+
+Every worker computes gradients as with ``px.DataParallel``; the engine's buckets are *reduced*
+onto the storage rank (not all-reduced), which applies the user's optimizer and broadcasts the
+new parameters. Optimizer state (Adam's two moments: twice the model) exists on the storage
+rank only; the result equals data-parallel training up to float rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from phalanx.comm import collectives, runtime
+from phalanx.comm.collectives import then
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.buckets import Bucket
+from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.reductions import Reduction, Waitable
+
+
+class ReduceToStorage(Reduction):
+    """Sum every bucket onto the storage rank only; the other ranks' buckets keep their own part."""
+
+    name = "reduce to storage"
+
+    def __init__(self, storage: int):
+        self.storage = storage
+
+    def reduce(self, bucket: Bucket) -> Waitable:
+        summed = collectives.reduce(bucket.flat, root=self.storage, async_op=True, check=False)
+        return then(summed, lambda total: bucket.flat.copy_(total) if total is not None else None)
+
+
+class StoredOptimizer:
+    """The user's optimizer, stepped on the storage rank only; ``step()`` then broadcasts the parameters.
+
+    Elsewhere it keeps the hyperparameters (learning-rate schedules set them on every rank) and an
+    empty ``state``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], storage: int):
+        self.optimizer = optimizer
+        self.params = params
+        self.storage = storage
+
+    @property
+    def is_storage(self) -> bool:
+        return runtime.rank() == self.storage
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """The storage rank steps; every rank then receives its parameters (one broadcast per dtype)."""
+        if closure is not None:
+            raise ConfigurationError("px.CentralStorage's optimizer takes no closure.")
+        if self.is_storage:
+            self.optimizer.step()
+        with torch.no_grad():
+            collectives.broadcast_tensors_([p.data for p in self.params], root=self.storage)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state on the storage rank; hyperparameters only elsewhere."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The storage rank takes the whole state; the others only the hyperparameters."""
+        self.optimizer.load_state_dict(state_dict if self.is_storage else {**state_dict, "state": {}})
+
+
+class CentralStorage:
+    """``px.fit(..., strategy=px.CentralStorage())``: the optimizer state on one rank only.
+
+    ``rank`` is the storage rank (default 0); checkpoints need it to be 0, the rank that writes them.
+    """
+
+    asynchronous = False
+
+    def __init__(self, rank: int = 0):
+        if rank < 0:
+            raise ConfigurationError(f"CentralStorage(rank=...) must be a worker's rank, got {rank}.")
+        self.rank = rank
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, StoredOptimizer]:
+        """Wrap ``model`` and ``optimizer`` for this worker."""
+        if self.rank >= runtime.size():
+            raise ConfigurationError(f"CentralStorage(rank={self.rank}) but the job has {runtime.size()} worker(s).")
+        wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
+        wrapped.use_reduction(ReduceToStorage(self.rank))
+        return wrapped, StoredOptimizer(optimizer, list(wrapped.parameters()), self.rank)
+
+    def finish(self, history: dict[str, Any]) -> None:
+        """Nothing to tear down."""

@@ -1,0 +1,306 @@
+"""The worker's side of a parameter-server job: channels, the pushing reduction, the pulling optimizer.
+
+The gradient engine does the pushing: :class:`PushToServers` is a
+:class:`~phalanx.parallel.reductions.Reduction` whose buckets are the servers' parameter groups
+(so a bucket is one message, sent as soon as backward completes it) and whose weights are the
+sample counts (the server divides the sum by the counts in the trailers). :class:`ServerOptimizer`
+holds the user's optimizer for its hyperparameters only: its ``step()`` receives the servers'
+new parameters, and its ``state_dict()`` fetches the optimizer state the servers hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from phalanx.comm import channel as channels, collectives, runtime
+from phalanx.comm.channel import Channel, ChannelClosed
+from phalanx.errors import CollectiveError, ConfigurationError, ServerFailedError
+from phalanx.parallel.buckets import Bucket
+from phalanx.parallel.reductions import Reduction, Waitable
+from phalanx.strategies import protocol as wire
+from phalanx.strategies.placement import Group, all_groups
+from phalanx.strategies.protocol import Kind, Status
+
+logger = logging.getLogger(__name__)
+
+
+class ServerClient:
+    """This worker's channels to every parameter server, and the step protocol over them."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], mode: str):
+        self.params = list(params)
+        self.mode = mode
+        self.servers = runtime.num_servers()
+        if self.servers < 1:
+            raise ConfigurationError(
+                "px.ParameterServer needs parameter-server processes: launch with `phalanx run -n W --servers S "
+                "script.py` (S >= 1); px.CentralStorage() trains without them.")
+        self.groups = all_groups(self.params, self.servers)
+        self.by_params = {group.params: group for group in self.groups}
+        self.step = 0
+        self.rates: Callable[[], list[float]] = lambda: []
+        self._sent: dict[int, list[Any]] = {}
+        self._received = [torch.empty(group.numel, dtype=group.dtype) for group in self.groups]
+        self.channels = [self._connect(server) for server in range(self.servers)]
+
+    def _connect(self, server: int) -> Channel:
+        try:
+            return channels.connect(runtime.store(), server, runtime.worker_id(), runtime.timeout())
+        except ChannelClosed as error:
+            raise self._server_failed(server, "connect to", error) from error
+
+    def server_groups(self, server: int) -> list[Group]:
+        return [group for group in self.groups if group.server == server]
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def push(self, bucket: Bucket) -> Waitable:
+        """Send one complete bucket (a server's group) to its server; the header goes with the first."""
+        group = self.by_params[tuple(bucket.param_indices)]
+        server = group.server
+        try:
+            if server not in self._sent:
+                self._send_header(server, Kind.PUSH, self.rates())
+                self._sent[server] = []
+            works = self.channels[server].isend([bucket.flat], wire.GROUP_TAG + group.index)
+        except ChannelClosed as error:
+            raise self._server_failed(server, "push a gradient to", error) from error
+        self._sent[server].extend(works)
+        return _Sends(self, server, works)
+
+    def finish_step(self) -> None:
+        """Receive every server's reply to this step's pushes and take the new parameters."""
+        if not self._sent:
+            raise ConfigurationError(
+                "optimizer.step() without a synchronised backward: under px.ParameterServer the step receives the "
+                "parameters the servers computed from this step's pushed gradients, so call loss.backward() first.")
+        servers, self._sent = sorted(self._sent), {}
+        for server in servers:
+            self._receive_parameters(server, "receive the parameters from")
+        self.step += 1
+
+    def next_task(self, epoch: int, sums: torch.Tensor | None) -> tuple[Status, int, int, bool, torch.Tensor | None]:
+        """Async: report the last task's metric sums to server 0 and get the next task of ``epoch``.
+
+        Returns ``(status, phase, task, waited, totals)``: a task (``waited`` says the staleness
+        bound held this worker back, so it should pull first), or ``EPOCH_DONE`` with the epoch's
+        summed metrics (training then validation).
+        """
+        values = [] if sums is None else sums.tolist()
+        self._request(0, Kind.NEXT, values, epoch=epoch)
+        status, waited, phase, _, _, _, task, totals_len = self._reply(0, "get the next batch from")
+        if status == Status.EPOCH_DONE:
+            totals = torch.zeros(totals_len, dtype=torch.float64)
+            try:
+                self.channels[0].recv([totals], wire.VALUES)
+            except ChannelClosed as error:
+                raise self._server_failed(0, "get the epoch's metrics from", error) from error
+            return Status.EPOCH_DONE, 0, 0, False, totals
+        return Status.TASK, phase, task, bool(waited), None
+
+    def pull(self) -> None:
+        """Fetch the newest parameters from every server."""
+        for server in range(self.servers):
+            self._request(server, Kind.PULL)
+        for server in range(self.servers):
+            self._receive_parameters(server, "pull the parameters from")
+
+    def _receive_parameters(self, server: int, operation: str) -> None:
+        reply = self._reply(server, operation)
+        status, _, lost = reply[:3]
+        if status == Status.LOST:
+            raise CollectiveError(
+                f"rank {runtime.rank()}: worker {lost} was lost before step {self.step} was complete, so the "
+                "parameter servers did not apply it. Launch with --min-workers to go on without lost workers.")
+        mine = [(k, group) for k, group in enumerate(self.groups) if group.server == server]
+        try:
+            self.channels[server].recv([self._received[k] for k, _ in mine], wire.GROUP_TAG)
+        except ChannelClosed as error:
+            raise self._server_failed(server, operation, error) from error
+        with torch.no_grad():
+            for k, group in mine:
+                offset = 0
+                for index, numel in zip(group.params, group.numels):
+                    param = self.params[index]
+                    param.copy_(self._received[k][offset:offset + numel].view_as(param))
+                    offset += numel
+
+    # --- set-up, checkpoints, the end -------------------------------------------------------
+
+    def initialise(self) -> None:
+        """Rank 0 gives the servers the initial parameters (the same on every rank); all wait for it."""
+        if runtime.rank() == 0:
+            for server in range(self.servers):
+                self._send_parameters(server, Kind.INIT)
+        collectives.barrier()
+
+    def optimizer_state(self) -> dict[int, Any]:
+        """Every server's optimizer state, keyed by model parameter index."""
+        states: dict[int, Any] = {}
+        for server in range(self.servers):
+            self._request(server, Kind.SAVE)
+            self._reply(server, "fetch the optimizer state from")
+            states.update(self._object(server))
+        return states
+
+    def load(self, states: dict[int, Any], step: int) -> None:
+        """Rank 0 sends the restored parameters and optimizer state to the servers; all wait for it."""
+        if runtime.rank() == 0:
+            for server in range(self.servers):
+                mine = {index: state for index, state in states.items()
+                        if any(index in group.params for group in self.server_groups(server))}
+                self._send_parameters(server, Kind.LOAD, {"optimizer": mine, "step": step})
+        self.step = step
+        collectives.barrier()
+
+    def goodbye(self, history: Any = None) -> None:
+        """Tell every server this worker is done (worker 0 hands them the history)."""
+        for server, channel in enumerate(self.channels):
+            try:
+                self._send_header(server, Kind.BYE, [], step=int(history is not None))
+                if history is not None:
+                    wire.send_object(channel, history)
+                self._reply(server, "say goodbye to")
+            except ServerFailedError as error:
+                logger.warning("%s", error)
+            channel.close()
+
+    def _send_parameters(self, server: int, kind: Kind, states: Any = None) -> None:
+        flats = [torch.cat([self.params[i].detach().reshape(-1) for i in group.params])
+                 for group in self.server_groups(server)]
+        self._send_header(server, kind, [])
+        try:
+            self.channels[server].send(flats, wire.GROUP_TAG)
+            if states is not None:
+                wire.send_object(self.channels[server], states)
+        except ChannelClosed as error:
+            raise self._server_failed(server, "send the parameters to", error) from error
+        self._reply(server, "send the parameters to")
+
+    # --- the wire ---------------------------------------------------------------------------
+
+    def _request(self, server: int, kind: Kind, values: Sequence[float] = (), epoch: int = 0) -> None:
+        self._send_header(server, kind, values, epoch=epoch)
+
+    def _send_header(self, server: int, kind: Kind, values: Sequence[float], step: int | None = None,
+                     epoch: int = 0) -> None:
+        """Send a request's header and values, and wait until they are sent (Gloo cancels dropped sends)."""
+        membership = runtime.membership()
+        head = wire.header(kind, self.step if step is None else step, membership.generation if membership else 0,
+                           runtime.size(), 0, epoch, 0, len(values))
+        tensors = [head] + ([torch.tensor(list(values), dtype=torch.float64)] if len(values) else [])
+        try:
+            self.channels[server].send(tensors[:1], wire.HEADER)
+            if len(tensors) > 1:
+                self.channels[server].send(tensors[1:], wire.VALUES)
+        except ChannelClosed as error:
+            raise self._server_failed(server, "send a request to", error) from error
+
+    def _reply(self, server: int, operation: str) -> list[int]:
+        head = wire.empty_header()
+        try:
+            self.channels[server].recv([head], wire.HEADER)
+        except ChannelClosed as error:
+            raise self._server_failed(server, operation, error) from error
+        fields = head.tolist()
+        if fields[0] == Status.FAILED:
+            raise ServerFailedError(f"rank {runtime.rank()}: {self._object(server)}")
+        return fields
+
+    def _object(self, server: int) -> Any:
+        try:
+            return wire.recv_object(self.channels[server])
+        except ChannelClosed as error:
+            raise self._server_failed(server, "receive from", error) from error
+
+    def _server_failed(self, server: int, operation: str, error: BaseException) -> ServerFailedError:
+        return ServerFailedError(
+            f"rank {runtime.rank()}: could not {operation} parameter server {server}: {error} It died or stopped "
+            "answering; the last checkpoint is intact: start the job again with resume=True to continue from it.")
+
+
+class _Sends:
+    """The pushes of one bucket; waiting means they were handed to the network."""
+
+    def __init__(self, client: ServerClient, server: int, works: list[Any]):
+        self.client, self.server, self.works = client, server, works
+
+    def wait(self) -> None:
+        try:
+            self.client.channels[self.server].wait(self.works, "push a gradient to")
+        except ChannelClosed as error:
+            raise self.client._server_failed(self.server, "push a gradient to", error) from error
+
+
+class PushToServers(Reduction):
+    """The reduction of a parameter-server worker: each bucket is one server group, pushed as it completes."""
+
+    name = "push to parameter servers"
+    weights_by_share = False  # the servers divide by the summed sample counts
+
+    def __init__(self, client: ServerClient):
+        self.client = client
+
+    def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
+        """One bucket per server group, launched in the order their first gradients become ready."""
+        readiness = {index: position for position, index in enumerate(i for group in groups for i in group)}
+        ordered = sorted(self.client.groups, key=lambda g: min(readiness.get(i, len(readiness)) for i in g.params))
+        return [list(group.params) for group in ordered]
+
+    def reduce(self, bucket: Bucket) -> Waitable:
+        return self.client.push(bucket)
+
+
+class ServerOptimizer:
+    """The user's optimizer, stepped on the parameter servers.
+
+    ``param_groups`` are the user's (learning-rate schedules set them here and every push carries
+    the rates); ``state`` stays empty on workers. ``step()`` waits for the servers' new parameters.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, client: ServerClient):
+        self.optimizer = optimizer
+        self.client = client
+        client.rates = lambda: [float(group["lr"]) for group in optimizer.param_groups]
+        position = {id(param): index for index, param in enumerate(client.params)}
+        self._model_index = [position.get(id(p), -1) for g in optimizer.param_groups for p in g["params"]]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Receive the parameters the servers computed from this step's gradients."""
+        if closure is not None:
+            raise ConfigurationError("px.ParameterServer's optimizer takes no closure: the servers step it.")
+        self.client.finish_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's state dict, with the state the servers hold (a round trip to each)."""
+        by_model = self.client.optimizer_state()
+        own = self.optimizer.state_dict()
+        own["state"] = {k: by_model[i] for k, i in enumerate(self._model_index) if i in by_model}
+        own["phalanx_step"] = self.client.step
+        return own
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hyperparameters here; parameters and optimizer state to the servers (collective over workers)."""
+        state = dict(state_dict)
+        step = int(state.pop("phalanx_step", 0))
+        self.optimizer.load_state_dict({**state, "state": {}})
+        by_model = {self._model_index[k]: value for k, value in state.get("state", {}).items()}
+        self.client.load(by_model, step)

@@ -1,0 +1,83 @@
+"""``px.ParameterServer``: parameters and optimizer state sharded over server processes.
+
+Workers compute gradients and push them; servers (``phalanx run --servers S``) each hold a shard
+of the parameters balanced by bytes, apply the user's optimizer to it, and send the parameters
+back. ``mode="sync"`` applies one update per global batch from every worker's push and equals
+data-parallel training; ``mode="async"`` applies each push as it arrives, deals batches to
+workers as they ask (a slow worker takes fewer), and bounds how far ahead a worker may run
+with ``max_staleness`` (see docs/strategies.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.data_parallel import DataParallel
+from phalanx.strategies.client import PushToServers, ServerClient, ServerOptimizer
+from phalanx.strategies.dealer import Dealer
+from phalanx.strategies.placement import groups, place
+from phalanx.strategies.server import Server
+from phalanx.strategies.shard import Shard
+
+MODES = ("sync", "async")
+
+
+class ParameterServer:
+    """``px.fit(..., strategy=px.ParameterServer(mode="sync" | "async", max_staleness=k))``.
+
+    ``max_staleness`` (async only; ``None``: unbounded) holds a worker that has finished more
+    than ``k`` batches beyond the slowest worker still computing one, and makes it pull the
+    newest parameters before it goes on.
+    """
+
+    def __init__(self, mode: str = "sync", max_staleness: int | None = None):
+        if mode not in MODES:
+            raise ConfigurationError(f"ParameterServer(mode=...) must be 'sync' or 'async', got {mode!r}.")
+        if max_staleness is not None and (mode != "async" or max_staleness < 0):
+            raise ConfigurationError(
+                "max_staleness bounds asynchronous updates: pass mode='async' and a number >= 0 "
+                f"(got mode={mode!r}, max_staleness={max_staleness!r}).")
+        self.mode = mode
+        self.max_staleness = max_staleness
+        self.client: ServerClient | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode == "async"
+
+    # --- worker side ------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ServerOptimizer]:
+        """Connect to the servers, hand them the initial parameters, and wrap model and optimizer."""
+        wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
+        params = [p for p in wrapped.module.parameters() if p.requires_grad]
+        self.client = ServerClient(params, self.mode)
+        wrapped.use_reduction(PushToServers(self.client))
+        self.client.initialise()
+        return wrapped, ServerOptimizer(optimizer, self.client)
+
+    def finish(self, history: dict[str, Any]) -> None:
+        """Tell the servers this worker is done; worker 0 hands them the history."""
+        if self.client is not None:
+            self.client.goodbye(history if runtime.rank() == 0 else None)
+
+    # --- server side ------------------------------------------------------------------------
+
+    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, train_tasks: int = 0,
+              val_tasks: int = 0, metric_values: int = 0) -> Any:
+        """Serve this process's shard until the workers are done; returns worker 0's history.
+
+        ``train_tasks``/``val_tasks`` per epoch and ``metric_values`` matter in async mode on
+        server 0, which deals the tasks and sums the metrics.
+        """
+        server = runtime.server_rank()
+        params = [p for p in model.parameters() if p.requires_grad]
+        shard = Shard(params, optimizer, groups(params, place(params, runtime.num_servers()), server))
+        dealer = (Dealer(train_tasks, val_tasks, metric_values, self.max_staleness)
+                  if self.asynchronous and server == 0 else None)
+        return Server(shard, server, self.mode, runtime.size(), runtime.timeout(), dealer).serve()

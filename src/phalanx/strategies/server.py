@@ -1,0 +1,256 @@
+"""A parameter server's serving loop: one thread per worker channel, one lock over the shard.
+
+Synchronous mode: a push waits until every worker of the current group pushed the same step;
+the last one to arrive sums the pushes (in worker order), applies one optimizer step and wakes
+the others; each replies with the new parameters. A worker lost meanwhile turns the waiting
+pushes into ``LOST`` replies and the step is not applied.
+
+Asynchronous mode: each push is applied as it arrives and answered with a copy of the newest
+parameters taken under the lock. Server 0 also deals the tasks (see :mod:`.dealer`).
+
+The server returns once every worker that connected said goodbye or was lost (and at least as
+many workers as the job has connected), or raises when none came within the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from phalanx.comm import runtime
+from phalanx.comm.channel import Channel, ChannelClosed, Listener
+from phalanx.errors import CollectiveTimeoutError
+from phalanx.strategies import protocol as wire
+from phalanx.strategies.dealer import Dealer
+from phalanx.strategies.protocol import Kind, Status
+from phalanx.strategies.shard import Shard
+
+logger = logging.getLogger(__name__)
+
+
+class Server:
+    """Serves ``shard`` to the job's workers until they are done."""
+
+    def __init__(self, shard: Shard, server: int, mode: str, workers: int, timeout_s: float,
+                 dealer: Dealer | None = None):
+        self.shard = shard
+        self.server = server
+        self.mode = mode
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.dealer = dealer
+        self.cond = threading.Condition()
+        self.live: set[int] = set()
+        self.connected = 0
+        self.history: Any = None
+        self.step = 0  # synchronous steps applied
+        self.version = 0  # updates applied (both modes)
+        self.initialised = False
+        self._pending: dict[int, list[torch.Tensor]] = {}
+        self._pending_rates: list[float] = []
+        self._losses = 0
+        self._lost_names: list[int] = []
+
+    def serve(self) -> Any:
+        """Serve until every worker is done; return the history worker 0 sent with its goodbye."""
+        listener = Listener(runtime.store(), self.server, self.timeout_s, self._on_channel)
+        listener.start()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            with self.cond:
+                while self.connected < self.workers or self.live:
+                    if self.connected == 0 and time.monotonic() > deadline:
+                        raise CollectiveTimeoutError(
+                            f"parameter server {self.server}: no worker connected within {self.timeout_s:.0f}s. "
+                            "Start workers and servers together with `phalanx run -n W --servers S script.py`.")
+                    if self.connected < self.workers and self.connected and not self.live:
+                        break  # every worker that came is gone: the job ended without the others
+                    self.cond.wait(1.0)
+        finally:
+            listener.stop()
+        return self.history
+
+    # --- one worker ------------------------------------------------------------------------
+
+    def _on_channel(self, worker: int, channel: Channel) -> None:
+        with self.cond:
+            self.live.add(worker)
+            self.connected += 1
+        threading.Thread(target=self._serve_worker, args=(worker, channel), daemon=True,
+                         name=f"phalanx-ps{self.server}-w{worker}").start()
+
+    def _serve_worker(self, worker: int, channel: Channel) -> None:
+        buffers = self.shard.gradient_buffers()
+        try:
+            while self._handle(worker, channel, buffers):
+                pass
+        except ChannelClosed as error:
+            self._lose(worker, error)
+        except Exception as error:  # noqa: BLE001 - tell the worker, then drop it
+            logger.exception("parameter server %d: request from worker %d failed", self.server, worker)
+            self._fail(channel, worker, error)
+        finally:
+            channel.close()
+
+    def _handle(self, worker: int, channel: Channel, buffers: list[torch.Tensor]) -> bool:
+        """Serve one request; False after the worker's goodbye."""
+        head = wire.empty_header()
+        channel.recv([head], wire.HEADER, timeout_s=None)
+        kind, step, generation, world, _, epoch, _, values_len = head.tolist()
+        values = torch.zeros(values_len, dtype=torch.float64)
+        if values_len:
+            channel.recv([values], wire.VALUES)
+        if kind == Kind.PUSH:
+            channel.recv(buffers, wire.GROUP_TAG)
+            self._push(worker, channel, buffers, step, generation, world, values.tolist())
+        elif kind == Kind.PULL:
+            self._reply_parameters(channel, Status.OK)
+        elif kind in (Kind.INIT, Kind.LOAD):
+            flats = [torch.empty_like(flat) for flat in self.shard.flats]
+            channel.recv(flats, wire.GROUP_TAG)
+            states = wire.recv_object(channel) if kind == Kind.LOAD else None
+            self._take(flats, states, kind == Kind.LOAD)
+            channel.send([wire.header(Status.OK)], wire.HEADER)
+        elif kind == Kind.SAVE:
+            with self.cond:
+                states = self.shard.optimizer_state()
+            channel.send([wire.header(Status.OK)], wire.HEADER)
+            wire.send_object(channel, states)
+        elif kind == Kind.NEXT:
+            self._next(worker, channel, epoch, values)
+        elif kind == Kind.BYE:
+            history = wire.recv_object(channel) if step else None
+            channel.send([wire.header(Status.OK)], wire.HEADER)
+            with self.cond:
+                self.history = history if history is not None else self.history
+                self.live.discard(worker)
+                self.cond.notify_all()
+            return False
+        else:
+            raise ValueError(f"unknown request kind {kind}")
+        return True
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _push(self, worker: int, channel: Channel, buffers: list[torch.Tensor], step: int, generation: int,
+              world: int, rates: list[float]) -> None:
+        if self.mode == "async":
+            with self.cond:
+                self.shard.apply(buffers, rates)
+                self.version += 1
+                reply = [flat.clone() for flat in self.shard.flats]
+            channel.send([wire.header(Status.OK, self.version)], wire.HEADER)
+            channel.send(reply, wire.GROUP_TAG)
+            return
+        status, lost = self._push_sync(worker, buffers, step, world, rates)
+        if status is Status.OK:
+            self._reply_parameters(channel, Status.OK)
+        else:
+            channel.send([wire.header(status, self.version, lost)], wire.HEADER)
+
+    def _push_sync(self, worker: int, buffers: list[torch.Tensor], step: int, world: int,
+                   rates: list[float]) -> tuple[Status, int]:
+        with self.cond:
+            if step != self.step:
+                raise ValueError(f"worker {worker} pushed step {step}, but this server is at step {self.step}: "
+                                 "the workers and the server disagree on the position (a resumed run?)")
+            losses = self._losses
+            self._pending[worker] = buffers
+            self._pending_rates = rates
+            if len(self._pending) >= world:
+                self._apply_pending()
+                return Status.OK, -1
+            deadline = time.monotonic() + self.timeout_s
+            while self.step == step and self._losses == losses:
+                if not self.cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise CollectiveTimeoutError(
+                        f"parameter server {self.server}: step {step} still lacks pushes from "
+                        f"{world - len(self._pending)} worker(s) after {self.timeout_s:.0f}s")
+            if self.step > step:
+                return Status.OK, -1
+            self._pending.pop(worker, None)
+            return Status.LOST, self._lost_names[-1]
+
+    def _apply_pending(self) -> None:
+        """Sum the pushes in worker order, apply one step, wake the waiting pushes."""
+        order = sorted(self._pending)
+        total = [buffer.clone() for buffer in self._pending[order[0]]]
+        for worker in order[1:]:
+            for summed, buffer in zip(total, self._pending[worker]):
+                summed.add_(buffer)
+        self.shard.apply(total, self._pending_rates)
+        self._pending.clear()
+        self.step += 1
+        self.version += 1
+        self.cond.notify_all()
+
+    def _reply_parameters(self, channel: Channel, status: Status) -> None:
+        if self.mode == "async":
+            with self.cond:
+                flats = [flat.clone() for flat in self.shard.flats]
+        else:
+            flats = self.shard.flats  # nothing changes them before every worker pushed again
+        channel.send([wire.header(status, self.version)], wire.HEADER)
+        channel.send(flats, wire.GROUP_TAG)
+
+    def _take(self, flats: list[torch.Tensor], states: Any, resumed: bool) -> None:
+        """Initial parameters (the first worker's, once) or a resumed run's parameters and state."""
+        with self.cond:
+            if resumed:
+                self.shard.load_parameters(flats)
+                self.shard.load_optimizer_state(states["optimizer"])
+                self.step = self.version = int(states["step"])
+            elif not self.initialised:
+                self.shard.load_parameters(flats)
+            self.initialised = True
+
+    def _next(self, worker: int, channel: Channel, epoch: int, sums: torch.Tensor) -> None:
+        """Async, server 0: count the worker's last task, then deal it another (or say the epoch is done)."""
+        assert self.dealer is not None
+        waited = False
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            self.dealer.confirm(worker, sums)
+            self.cond.notify_all()
+            while (dealt := self.dealer.deal(worker, epoch)) is None:
+                waited = True
+                if not self.cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise CollectiveTimeoutError(
+                        f"parameter server {self.server}: no task could be dealt to worker {worker} for "
+                        f"{self.timeout_s:.0f}s")
+            self.cond.notify_all()
+            what, task, phase = dealt
+            totals = self.dealer.finished.get(epoch)
+        if what == "done":
+            assert totals is not None
+            channel.send([wire.header(Status.EPOCH_DONE, 0, 0, 0, 0, epoch, 0, totals.numel())], wire.HEADER)
+            channel.send([totals], wire.VALUES)
+        else:
+            channel.send([wire.header(Status.TASK, int(waited), int(phase), 0, 0, epoch, task)], wire.HEADER)
+
+    # --- failures --------------------------------------------------------------------------
+
+    def _lose(self, worker: int, error: BaseException) -> None:
+        with self.cond:
+            if worker not in self.live:
+                return
+            self.live.discard(worker)
+            self._pending.pop(worker, None)
+            self._losses += 1
+            self._lost_names.append(worker)
+            if self.dealer is not None:
+                self.dealer.lose(worker)
+            self.cond.notify_all()
+        logger.warning("parameter server %d: lost worker %d (%s)", self.server, worker, error)
+
+    def _fail(self, channel: Channel, worker: int, error: BaseException) -> None:
+        try:
+            channel.send([wire.header(Status.FAILED)], wire.HEADER)
+            wire.send_object(channel, f"parameter server {self.server}: {error}")
+        except ChannelClosed:
+            pass
+        self._lose(worker, error)

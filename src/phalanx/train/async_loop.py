@@ -1,0 +1,106 @@
+"""``px.fit``'s loop for asynchronous parameter servers: batches dealt on request, not in lockstep.
+
+Each worker asks parameter server 0 for a task (one worker share of one global batch), trains on
+it (the push and the pull are the optimizer step), and asks again; the request reports the
+task's metric sums. Once an epoch's training tasks are all applied, its validation batches are
+dealt the same way, then every worker learns the epoch's global metrics from server 0, pulls
+the final parameters and runs the epoch-end callbacks (checkpoints included) together.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from phalanx.comm import runtime
+from phalanx.strategies.client import ServerClient
+from phalanx.strategies.protocol import Phase, Status
+from phalanx.train.lr import Schedule
+from phalanx.train.metrics import Metric, fresh_copies
+from phalanx.train.state import TrainState
+from phalanx.train.steps import apply_schedule, split_batch, train_step
+
+
+def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+                client: ServerClient) -> None:
+    """Train every remaining epoch on tasks dealt by parameter server 0."""
+    if not state.scheduled_lrs:
+        state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
+    hooks.on_train_begin(state)
+    for epoch in range(state.epoch, state.epochs):
+        logs = _epoch(state, hooks, loss_fn, val_loader, lr_schedule, client, epoch)
+        state.epoch, state.step = epoch + 1, 0
+        state.history.append(epoch, logs)
+        hooks.on_epoch_end(epoch, logs, state)
+        if state.stop_training:
+            break
+    hooks.on_train_end(state)
+
+
+def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+           client: ServerClient, epoch: int) -> dict[str, float]:
+    state.model.train()
+    state.epoch, state.step = epoch, 0
+    hooks.on_epoch_begin(epoch, state)
+    shares, phase_seen, sums = runtime.size(), None, None
+    started, samples = time.perf_counter(), 0
+    while True:
+        status, phase, task, waited, totals = client.next_task(epoch, sums)
+        if status is Status.EPOCH_DONE:
+            break
+        if waited or phase != phase_seen:  # held back, or validation starts: take the newest parameters
+            client.pull()
+            phase_seen = phase
+        step, share = divmod(task, shares)
+        if phase == Phase.TRAIN:
+            sums = _train_task(state, hooks, loss_fn, lr_schedule, epoch, step, share, shares)
+            samples += state.loader.last_local_batch_size
+            state.step, state.global_step = step + 1, state.global_step + 1
+            hooks.on_step_end(step, {**_values(state.metrics, sums),
+                                     "samples_per_s": samples / max(time.perf_counter() - started, 1e-9)}, state)
+        else:
+            sums = _validate_task(state, loss_fn, val_loader, epoch, step, share, shares)
+    assert totals is not None
+    client.pull()  # every update of the epoch is applied: the same parameters on every worker
+    half = totals.numel() // 2
+    logs = _values(state.metrics, totals[:half])
+    if val_loader is not None:
+        logs.update(_values(state.metrics, totals[half:], "val_"))
+    return logs
+
+
+def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None, epoch: int,
+                step: int, share: int, shares: int) -> torch.Tensor:
+    batch = state.loader.batch_at(epoch, step, share, shares)
+    state.step = step
+    apply_schedule(state, lr_schedule)
+    hooks.on_step_begin(step, state)
+    for metric in state.metrics:
+        metric.reset()
+    train_step(state, batch, loss_fn)
+    return _sums(state.metrics)
+
+
+@torch.no_grad()
+def _validate_task(state: TrainState, loss_fn: Callable, val_loader: Any, epoch: int, step: int, share: int,
+                   shares: int) -> torch.Tensor:
+    metrics = fresh_copies(state.metrics)
+    inputs, targets = split_batch(val_loader.batch_at(0, step, share, shares))
+    if len(targets):
+        state.model.eval()
+        outputs = state.model(*inputs)
+        for metric in metrics:
+            metric.update(outputs, targets, loss_fn(outputs, targets) * len(targets))
+        state.model.train()
+    return _sums(metrics)
+
+
+def _sums(metrics: list[Metric]) -> torch.Tensor:
+    return torch.tensor([value for m in metrics for value in (float(m.total), float(m.count))], dtype=torch.float64)
+
+
+def _values(metrics: list[Metric], sums: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    pairs = sums.view(-1, 2).tolist()
+    return {prefix + m.name: (total / count if count else float("nan")) for m, (total, count) in zip(metrics, pairs)}

@@ -1,0 +1,78 @@
+"""One training step, one evaluation pass, the learning-rate schedule, batches: shared by both loops.
+
+``px.fit``'s loop (:mod:`phalanx.train.fit`) and the asynchronous parameter-server loop
+(:mod:`phalanx.train.async_loop`) run steps the same way; only how batches reach them differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
+from phalanx.train.lr import Schedule
+from phalanx.train.metrics import Metric, reduce_metrics
+from phalanx.train.state import TrainState
+
+
+def train_step(state: TrainState, batch: Any, loss_fn: Callable) -> None:
+    """One optimizer step on this worker's ``batch``; the state's metrics count its samples."""
+    inputs, targets = split_batch(batch)
+    metrics = state.metrics
+    state.optimizer.zero_grad(set_to_none=True)
+    if state.exact is not None:
+        for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
+                                                                 state.loader.last_global_batch_size):
+            for metric in metrics:
+                metric.update(outputs, micro_targets, loss * len(micro_targets))
+    elif len(targets) == 0:
+        state.model.reduce_without_data()
+    else:
+        outputs = state.model(*inputs)
+        loss = loss_fn(outputs, targets)
+        loss.backward()
+        with torch.no_grad():
+            for metric in metrics:
+                metric.update(outputs.detach(), targets, loss.detach() * len(targets))
+    state.optimizer.step()
+
+
+@torch.no_grad()
+def evaluate_batches(model: nn.Module, loss_fn: Callable, loader: Any, metrics: list[Metric],
+                     prefix: str) -> dict[str, float]:
+    """Global ``metrics`` of ``model`` over every worker's batches of ``loader`` (names get ``prefix``)."""
+    was_training = model.training
+    model.eval()
+    for metric in metrics:
+        metric.reset()
+    for batch in loader:
+        inputs, targets = split_batch(batch)
+        if len(targets):
+            outputs = model(*inputs)
+            for metric in metrics:
+                metric.update(outputs, targets, loss_fn(outputs, targets) * len(targets))
+    model.train(was_training)
+    return reduce_metrics(metrics, prefix)
+
+
+def apply_schedule(state: TrainState, lr_schedule: Schedule | None) -> None:
+    """Set every param group's learning rate for the coming step (the schedule's, or the last one set)."""
+    if lr_schedule is not None:
+        rate = lr_schedule(state.fractional_epoch)
+        state.scheduled_lrs = [rate] * len(state.optimizer.param_groups)
+    for group, rate in zip(state.optimizer.param_groups, state.scheduled_lrs):
+        group["lr"] = rate
+
+
+def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``(inputs..., targets)`` moved to this worker's device."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ConfigurationError(
+            "px.fit expects batches of (inputs..., targets); give a dataset whose items are (x, y) pairs."
+        )
+    device = runtime.device()
+    moved = [part.to(device, non_blocking=True) if isinstance(part, torch.Tensor) else part for part in batch]
+    return tuple(moved[:-1]), moved[-1]
