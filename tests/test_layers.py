@@ -24,8 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "parallel": BOTTOM | {"comm"},  # the engine knows nothing of loaders
     "data": BOTTOM | {"comm"},  # loaders know nothing of the engine
     "elastic": BOTTOM | {"comm"},  # objects take part through a protocol, not by type
-    "train": BOTTOM | {"comm", "parallel", "data", "elastic"},
-    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "train", "root"},
+    "strategies": BOTTOM | {"comm", "parallel"},  # parameter servers, central storage: reductions and servers
+    "train": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies"},
+    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "train", "root"},
 }
 
 

@@ -282,7 +282,8 @@ def test_worker_environment() -> None:
                 "PHALANX_INTERACTIVE": "1" if sys.stdout.isatty() else "0",
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "phalanx-1234",
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "GROUP_RANK": "1",
-                "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4"}
+                "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
+                "PHALANX_SERVERS": "0"}
     assert env == expected
     assert spec.command == (sys.executable, WORKER_MAIN, "t.py")
     assert LaunchConfig(target="t.py").worker_specs(1)[0].environment({})["OMP_NUM_THREADS"] == "1"

@@ -161,6 +161,8 @@ class Supervisor:
                     return
 
     def _failed(self, worker: Worker) -> LaunchResult:
+        if worker.spec.server is not None:  # its workers' channels broke: let them say so before stopping them
+            self._wait_all_exited(time.monotonic() + self.config.grace_s)
         others = sum(w.running for w in self.workers)
         if self.board is not None:  # the other hosts stop their workers too
             self._aborting = True

@@ -104,5 +104,5 @@ class CentralStorage:
         wrapped.use_reduction(ReduceToStorage(self.rank))
         return wrapped, StoredOptimizer(optimizer, list(wrapped.parameters()), self.rank)
 
-    def finish(self, history: dict[str, Any]) -> None:
+    def finish(self, history: dict[str, Any] | None = None) -> None:
         """Nothing to tear down."""

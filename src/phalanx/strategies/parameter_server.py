@@ -61,7 +61,7 @@ class ParameterServer:
         self.client.initialise()
         return wrapped, ServerOptimizer(optimizer, self.client)
 
-    def finish(self, history: dict[str, Any]) -> None:
+    def finish(self, history: dict[str, Any] | None = None) -> None:
         """Tell the servers this worker is done; worker 0 hands them the history."""
         if self.client is not None:
             self.client.goodbye(history if runtime.rank() == 0 else None)

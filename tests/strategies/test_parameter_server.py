@@ -1,0 +1,99 @@
+"""Parameter servers and central storage, end to end under ``phalanx run``.
+
+Every job trains the same MLP with Adam (``ps_train.py``); rank 0 saves the weights, which are
+compared with px.DataParallel's on the same data.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli.test_launcher import phalanx_command, worker_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
+
+SCRIPT = str(Path(__file__).with_name("ps_train.py"))
+
+
+def launch(tmp_path: Path, launcher: list[str], *script_args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(phalanx_command("--timeout", "60", *launcher, SCRIPT, *script_args), cwd=tmp_path,
+                          env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    return done
+
+
+def trained(tmp_path: Path, name: str, launcher: list[str], *script_args: str) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{name}.pt"
+    done = launch(tmp_path, launcher, script_args[0], str(out), *script_args[1:])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return torch.load(out)
+
+
+def assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
+def test_sync_parameter_servers_train_like_data_parallel(tmp_path: Path, workers: int, servers: int) -> None:
+    """30 Adam steps through the custom-loop API give DataParallel's weights."""
+    reference = trained(tmp_path, "dp", ["-n", str(workers)], "dp")
+    got = trained(tmp_path, "ps", ["-n", str(workers), "--servers", str(servers)], "sync")
+    assert_close(got, reference)
+
+
+def test_fit_with_servers_resumes_their_optimizer_state(tmp_path: Path) -> None:
+    """An epoch, a stop, a resumed second epoch: the servers get their Adam state back from the checkpoint."""
+    reference = trained(tmp_path, "dp", ["-n", "2"], "dp", "--loop", "fit", "--epochs", "2")
+    checkpoints = str(tmp_path / "ckpt")
+    trained(tmp_path, "first", ["-n", "2", "--servers", "2"], "sync", "--loop", "fit", "--epochs", "1",
+            "--checkpoint-dir", checkpoints)
+    out = tmp_path / "resumed.pt"
+    done = launch(tmp_path, ["-n", "2", "--servers", "2"], "sync", str(out), "--loop", "fit", "--epochs", "2",
+                  "--checkpoint-dir", checkpoints, "--verbose", "1")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "(epoch 1, step 15)" in done.stdout, done.stdout
+    assert_close(torch.load(out), reference)
+    histories = re.findall(r"(worker|server) history (\{.*\})", done.stdout)
+    assert len(histories) == 4 and len({h for _, h in histories}) == 1, histories  # the same on servers
+
+
+def test_central_storage_trains_like_data_parallel_with_state_on_one_rank(tmp_path: Path) -> None:
+    reference = trained(tmp_path, "dp", ["-n", "3"], "dp")
+    out = tmp_path / "cs.pt"
+    done = launch(tmp_path, ["-n", "3"], "cs", str(out))
+    assert done.returncode == 0, done.stderr
+    assert_close(torch.load(out), reference)
+    entries = dict(re.findall(r"rank (\d) optimizer state entries (\d+)", done.stdout))
+    assert entries == {"0": "4", "1": "0", "2": "0"}, done.stdout
+
+
+def test_async_parameter_server_trains(tmp_path: Path) -> None:
+    """Asynchronous updates from 3 workers learn the task; metrics come out the same everywhere."""
+    done = launch(tmp_path, ["-n", "3", "--servers", "1"], "async", str(tmp_path / "a.pt"), "--loop", "fit",
+                  "--epochs", "3")
+    assert done.returncode == 0, done.stderr
+    histories = re.findall(r"(?:worker|server) history (\{.*\})", done.stdout)
+    assert len(histories) == 4 and len(set(histories)) == 1, histories
+    accuracy = float(re.search(r"'accuracy': \[[^\]]*?([\d.]+)\]", histories[0]).group(1))
+    assert accuracy > 0.9, histories[0]
+
+
+def test_a_killed_server_is_named_on_every_worker(tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = launch(tmp_path, ["-n", "2", "--servers", "2"], "sync", str(tmp_path / "k.pt"), "--steps", "100000",
+                  "--kill-server-after", "3", timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    assert elapsed < 30, elapsed
+    assert "parameter server" in done.stderr and "failed with signal SIGKILL" in done.stderr, done.stderr
+    for rank in (0, 1):
+        assert re.search(rf"\[{rank}\] .*ServerFailedError: rank {rank}: could not .* parameter server \d", done.stderr), \
+            done.stderr
