@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.cli.config import WORKER_MAIN, LaunchConfig
+from phalanx.errors import ConfigurationError
 from phalanx.cli.workers import describe_exit, exit_code_of, split_lines
 from phalanx.cli.main import build_parser, main, split_run_argv
 
@@ -300,3 +301,21 @@ def test_exit_codes() -> None:
     assert exit_code_of(3) == 3 and exit_code_of(-signal.SIGKILL) == 137
     assert describe_exit(137) == "signal SIGKILL (exit code 137)"
     assert describe_exit(3) == "exit code 3"
+
+
+def test_parameter_servers_get_their_role_and_a_rank_beyond_the_workers() -> None:
+    config = LaunchConfig(target="t.py", nproc_per_node=2, nnodes=2, node_rank=1, servers_per_node=1)
+    (server,) = config.server_specs(master_port=1234)
+    env = server.environment({})
+    assert (server.label, server.name, server.rank) == ("s1", "parameter server 1", 5)
+    assert {key: env[key] for key in ("PHALANX_ROLE", "PHALANX_SERVER_RANK", "PHALANX_SERVERS", "PHALANX_RANK",
+                                      "PHALANX_WORLD_SIZE")} == {
+        "PHALANX_ROLE": "server", "PHALANX_SERVER_RANK": "1", "PHALANX_SERVERS": "2", "PHALANX_RANK": "5",
+        "PHALANX_WORLD_SIZE": "4"}
+    assert "RANK" not in env  # not a torch.distributed rank
+    assert config.worker_specs(1234)[0].environment({})["PHALANX_SERVERS"] == "2"
+
+
+def test_parameter_servers_need_a_fixed_set_of_hosts() -> None:
+    with pytest.raises(ConfigurationError, match="fixed set of hosts"):
+        LaunchConfig(target=__file__, nnodes=1, max_nnodes=2, master_port=1, servers_per_node=1).validate()
