@@ -24,6 +24,7 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--checkpoint-dir", default=None)
 parser.add_argument("--verbose", type=int, default=0)
+parser.add_argument("--kill-rank-at-step", type=int, nargs=2, default=None, metavar=("RANK", "STEP"))
 parser.add_argument("--kill-server-after", type=float, default=None)
 args = parser.parse_args()
 
@@ -40,9 +41,21 @@ strategy = {"dp": None, "sync": px.ParameterServer("sync"), "async": px.Paramete
 if args.kill_server_after is not None and px.role() == "server":
     threading.Timer(args.kill_server_after, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 
+
+
+class KillAtStep(px.callbacks.Callback):
+    """Worker RANK dies (SIGKILL) after its STEP-th step."""
+
+    def on_step_end(self, step, logs, state):
+        if args.kill_rank_at_step and px.rank() == args.kill_rank_at_step[0] \
+                and state.global_step == args.kill_rank_at_step[1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 if args.loop == "fit":
     history = px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=args.epochs, global_batch_size=32,
-                     strategy=strategy, verbose=args.verbose, metrics=["accuracy"], checkpoint_dir=args.checkpoint_dir)
+                     strategy=strategy, verbose=args.verbose, metrics=["accuracy"], checkpoint_dir=args.checkpoint_dir,
+                     callbacks=[KillAtStep()])
     print(f"{px.role()} history {history.state_dict()}", flush=True)
 elif px.role() == "server":
     strategy.serve(model, optimizer)

@@ -103,3 +103,25 @@ def test_a_killed_server_is_named_on_every_worker(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert re.search(rf"\[{rank}\] .*ServerFailedError: rank {rank}: could not .* parameter server \d", done.stderr), \
             done.stderr
+
+
+def test_sync_servers_survive_a_lost_worker_under_min_workers(tmp_path: Path) -> None:
+    """Rank 2 dies at step 5: the others re-form, redo the step as two, and end with DataParallel's weights."""
+    reference = trained(tmp_path, "dp", ["-n", "2"], "dp", "--loop", "fit")
+    out = tmp_path / "elastic.pt"
+    done = launch(tmp_path, ["-n", "3", "--min-workers", "2", "--servers", "1"], "sync", str(out), "--loop", "fit",
+                  "--kill-rank-at-step", "2", "5")
+    assert done.returncode == 0, done.stderr
+    assert "worker rank 2" in done.stderr and "lost" in done.stderr, done.stderr
+    assert_close(torch.load(out), reference)
+    histories = re.findall(r"(?:worker|server) history (\{.*\})", done.stdout)
+    assert len(histories) == 3 and len(set(histories)) == 1, histories
+
+
+def test_async_servers_drop_a_lost_worker_and_go_on(tmp_path: Path) -> None:
+    done = launch(tmp_path, ["-n", "3", "--min-workers", "2", "--servers", "1"], "async", str(tmp_path / "a.pt"),
+                  "--loop", "fit", "--epochs", "3", "--kill-rank-at-step", "2", "4")
+    assert done.returncode == 0, done.stderr
+    assert "lost worker" in done.stdout + done.stderr
+    histories = re.findall(r"(?:worker|server) history (\{.*\})", done.stdout)
+    assert len(histories) == 3 and len(set(histories)) == 1, histories

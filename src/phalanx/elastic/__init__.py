@@ -21,8 +21,8 @@ See ``docs/elastic.md``.
 from phalanx.comm.membership import Membership, MembershipClosed
 from phalanx.comm.runtime import membership
 from phalanx.comm.runtime import is_elastic as enabled
-from phalanx.elastic.loop import is_membership_failure, run
+from phalanx.elastic.loop import follow, is_membership_failure, run
 from phalanx.elastic.state import MembershipChanged, Recovery, State
 
-__all__ = ["Membership", "MembershipChanged", "MembershipClosed", "Recovery", "State", "enabled",
+__all__ = ["Membership", "MembershipChanged", "MembershipClosed", "Recovery", "State", "enabled", "follow",
            "is_membership_failure", "membership", "run"]

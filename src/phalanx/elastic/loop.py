@@ -59,6 +59,28 @@ def run(fn: Callable[..., T]) -> Callable[..., T | None]:
     return elastic
 
 
+def follow() -> bool:
+    """Join the next generation now if the group is about to change; whether it did.
+
+    For workers that share no state step by step (asynchronous parameter servers): there is
+    nothing to commit or restore, so between two batches each worker reads one store key and,
+    when a member was lost or workers wait to join, re-forms the group with the others (each
+    at its own next boundary). A worker started after the job asks to be admitted on its first
+    call. Outside an elastic launch it does nothing.
+    """
+    if not runtime.is_elastic():
+        return False
+    view = runtime.membership()
+    if view is None:
+        runtime.rejoin("join")
+        return True
+    store = runtime.store()
+    if store.add(Keys.signal(view.generation), 0) == 0:
+        return False
+    runtime.rejoin("failure" if store.add(Keys.broken(view.generation), 0) > 0 else "planned")
+    return True
+
+
 def is_membership_failure(error: BaseException) -> bool:
     """Whether ``error`` means the group lost a member (as opposed to a bug to report)."""
     if isinstance(error, MembershipClosed):

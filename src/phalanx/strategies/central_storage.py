@@ -106,3 +106,6 @@ class CentralStorage:
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Nothing to tear down."""
+
+    def close(self) -> None:
+        """Nothing to tear down."""

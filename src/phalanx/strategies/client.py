@@ -11,18 +11,19 @@ new parameters, and its ``state_dict()`` fetches the optimizer state the servers
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from phalanx.comm import channel as channels, collectives, runtime
 from phalanx.comm.channel import Channel, ChannelClosed
-from phalanx.errors import CollectiveError, ConfigurationError, ServerFailedError
+from phalanx.errors import CollectiveTimeoutError, ConfigurationError, ServerFailedError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.reductions import Reduction, Waitable
 from phalanx.strategies import protocol as wire
 from phalanx.strategies.placement import Group, all_groups
-from phalanx.strategies.protocol import Kind, Status
+from phalanx.strategies.protocol import Kind, Phase, Status
 
 logger = logging.getLogger(__name__)
 
@@ -82,24 +83,25 @@ class ServerClient:
             self._receive_parameters(server, "receive the parameters from")
         self.step += 1
 
-    def next_task(self, epoch: int, sums: torch.Tensor | None) -> tuple[Status, int, int, bool, torch.Tensor | None]:
+    def next_task(self, epoch: int, sums: torch.Tensor | None) -> Task:
         """Async: report the last task's metric sums to server 0 and get the next task of ``epoch``.
 
-        Returns ``(status, phase, task, waited, totals)``: a task (``waited`` says the staleness
-        bound held this worker back, so it should pull first), or ``EPOCH_DONE`` with the epoch's
-        summed metrics (training then validation).
+        Returns a task (its ``waited`` says the staleness bound held this worker back, so it
+        should pull first), or one with status ``EPOCH_DONE`` and the epoch's summed metrics
+        (training, then validation) in ``totals``.
         """
         values = [] if sums is None else sums.tolist()
         self._request(0, Kind.NEXT, values, epoch=epoch)
-        status, waited, phase, _, _, _, task, totals_len = self._reply(0, "get the next batch from")
+        status, waited, phase, shares, _, _, task, totals_len = self._reply(0, "get the next batch from")
         if status == Status.EPOCH_DONE:
             totals = torch.zeros(totals_len, dtype=torch.float64)
             try:
                 self.channels[0].recv([totals], wire.VALUES)
             except ChannelClosed as error:
                 raise self._server_failed(0, "get the epoch's metrics from", error) from error
-            return Status.EPOCH_DONE, 0, 0, False, totals
-        return Status.TASK, phase, task, bool(waited), None
+            return Task(Status.EPOCH_DONE, totals=totals)
+        step, share = divmod(task, shares)
+        return Task(Status.TASK, Phase(phase), step, share, shares, bool(waited))
 
     def pull(self) -> None:
         """Fetch the newest parameters from every server."""
@@ -111,10 +113,10 @@ class ServerClient:
     def _receive_parameters(self, server: int, operation: str) -> None:
         reply = self._reply(server, operation)
         status, _, lost = reply[:3]
-        if status == Status.LOST:
-            raise CollectiveError(
-                f"rank {runtime.rank()}: worker {lost} was lost before step {self.step} was complete, so the "
-                "parameter servers did not apply it. Launch with --min-workers to go on without lost workers.")
+        if status == Status.LOST:  # a membership failure: elastic jobs re-form and push the step again
+            raise CollectiveTimeoutError(
+                f"rank {runtime.rank()}: worker {lost} was lost before step {self.step} was complete, so "
+                f"parameter server {server} did not apply it. Launch with --min-workers to go on without lost workers.")
         mine = [(k, group) for k, group in enumerate(self.groups) if group.server == server]
         try:
             self.channels[server].recv([self._received[k] for k, _ in mine], wire.GROUP_TAG)
@@ -164,8 +166,13 @@ class ServerClient:
                 if history is not None:
                     wire.send_object(channel, history)
                 self._reply(server, "say goodbye to")
-            except ServerFailedError as error:
+            except (ServerFailedError, ChannelClosed) as error:
                 logger.warning("%s", error)
+            channel.close()
+
+    def close(self) -> None:
+        """Drop every channel at once (a failing worker): servers see the connection end."""
+        for channel in self.channels:
             channel.close()
 
     def _send_parameters(self, server: int, kind: Kind, states: Any = None) -> None:
@@ -190,7 +197,7 @@ class ServerClient:
         """Send a request's header and values, and wait until they are sent (Gloo cancels dropped sends)."""
         membership = runtime.membership()
         head = wire.header(kind, self.step if step is None else step, membership.generation if membership else 0,
-                           runtime.size(), 0, epoch, 0, len(values))
+                           runtime.size(), int(runtime.is_elastic()), epoch, 0, len(values))
         tensors = [head] + ([torch.tensor(list(values), dtype=torch.float64)] if len(values) else [])
         try:
             self.channels[server].send(tensors[:1], wire.HEADER)
@@ -220,6 +227,19 @@ class ServerClient:
         return ServerFailedError(
             f"rank {runtime.rank()}: could not {operation} parameter server {server}: {error} It died or stopped "
             "answering; the last checkpoint is intact: start the job again with resume=True to continue from it.")
+
+
+@dataclass(frozen=True)
+class Task:
+    """What server 0 dealt: share ``share`` of ``shares`` of global batch ``step``, or the epoch's end."""
+
+    status: Status
+    phase: Phase = Phase.TRAIN
+    step: int = 0
+    share: int = 0
+    shares: int = 1  # a global batch's shares: the job's workers when it started
+    waited: bool = False
+    totals: torch.Tensor | None = None
 
 
 class _Sends:
@@ -289,6 +309,11 @@ class ServerOptimizer:
             raise ConfigurationError("px.ParameterServer's optimizer takes no closure: the servers step it.")
         self.client.finish_step()
 
+    @property
+    def position(self) -> "StepPosition":
+        """What an elastic commit needs: the step count (the servers hold the rest, as of that step)."""
+        return StepPosition(self.client)
+
     def state_dict(self) -> dict[str, Any]:
         """The user's optimizer's state dict, with the state the servers hold (a round trip to each)."""
         by_model = self.client.optimizer_state()
@@ -304,3 +329,23 @@ class ServerOptimizer:
         self.optimizer.load_state_dict({**state, "state": {}})
         by_model = {self._model_index[k]: value for k, value in state.get("state", {}).items()}
         self.client.load(by_model, step)
+
+
+class StepPosition:
+    """A worker's place in synchronous parameter-server training, committed by elastic jobs every step.
+
+    The servers apply a step only once every worker of the group pushed it, so their state is
+    that of the last step the workers committed, or one step newer when the group broke during
+    the commit itself: restoring takes the step count back and pulls that step's parameters
+    (servers of an elastic job keep the state before their last step for this).
+    """
+
+    def __init__(self, client: ServerClient):
+        self.client = client
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.client.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.client.step = int(state["step"])
+        self.client.pull()

@@ -47,7 +47,8 @@ class Dealer:
         if epoch is None or worker not in epoch.in_flight:
             return
         phase, _ = epoch.in_flight.pop(worker)
-        epoch.sums.setdefault(phase, torch.zeros(self.metric_values, dtype=torch.float64)).add_(sums)
+        if sums.numel():  # a worker that re-formed its group between two batches may have lost them
+            epoch.sums.setdefault(phase, torch.zeros(self.metric_values, dtype=torch.float64)).add_(sums)
         if phase is Phase.TRAIN:
             self.done_tasks[worker] += 1
 

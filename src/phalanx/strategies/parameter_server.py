@@ -66,6 +66,11 @@ class ParameterServer:
         if self.client is not None:
             self.client.goodbye(history if runtime.rank() == 0 else None)
 
+    def close(self) -> None:
+        """Drop the connections without a goodbye: the servers count this worker as lost."""
+        if self.client is not None:
+            self.client.close()
+
     # --- server side ------------------------------------------------------------------------
 
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, train_tasks: int = 0,

@@ -54,6 +54,10 @@ class Server:
         self._pending_rates: list[float] = []
         self._losses = 0
         self._lost_names: list[int] = []
+        self._generation = 0  # the newest worker generation seen in a push (elastic jobs re-form)
+        self._lost_generation = -1  # pushes of this generation or older cannot complete a step
+        self._keep_undo = False  # an elastic job: keep the state before the last step
+        self._undo: tuple[int, Any] | None = None  # (step, the shard's state before it was applied)
 
     def serve(self) -> Any:
         """Serve until every worker is done; return the history worker 0 sent with its goodbye."""
@@ -100,7 +104,8 @@ class Server:
         """Serve one request; False after the worker's goodbye."""
         head = wire.empty_header()
         channel.recv([head], wire.HEADER, timeout_s=None)
-        kind, step, generation, world, _, epoch, _, values_len = head.tolist()
+        kind, step, generation, world, elastic, epoch, _, values_len = head.tolist()
+        self._keep_undo = self._keep_undo or bool(elastic)
         values = torch.zeros(values_len, dtype=torch.float64)
         if values_len:
             channel.recv([values], wire.VALUES)
@@ -108,6 +113,7 @@ class Server:
             channel.recv(buffers, wire.GROUP_TAG)
             self._push(worker, channel, buffers, step, generation, world, values.tolist())
         elif kind == Kind.PULL:
+            self._seek(step)
             self._reply_parameters(channel, Status.OK)
         elif kind in (Kind.INIT, Kind.LOAD):
             flats = [torch.empty_like(flat) for flat in self.shard.flats]
@@ -146,15 +152,24 @@ class Server:
             channel.send([wire.header(Status.OK, self.version)], wire.HEADER)
             channel.send(reply, wire.GROUP_TAG)
             return
-        status, lost = self._push_sync(worker, buffers, step, world, rates)
+        status, lost = self._push_sync(worker, buffers, step, generation, world, rates)
         if status is Status.OK:
             self._reply_parameters(channel, Status.OK)
         else:
             channel.send([wire.header(status, self.version, lost)], wire.HEADER)
 
-    def _push_sync(self, worker: int, buffers: list[torch.Tensor], step: int, world: int,
+    def _push_sync(self, worker: int, buffers: list[torch.Tensor], step: int, generation: int, world: int,
                    rates: list[float]) -> tuple[Status, int]:
+        """Wait until ``world`` workers of this generation pushed ``step``; the last applies it.
+
+        A worker lost meanwhile answers every waiting push, and every later push of the same
+        generation, with ``LOST``: its survivors re-form (elastic jobs) and push again as a new
+        generation, the step not applied.
+        """
         with self.cond:
+            if generation <= self._lost_generation:  # a member of this group is gone: the step cannot complete
+                return Status.LOST, self._lost_names[-1]
+            self._generation = max(self._generation, generation)
             if step != self.step:
                 raise ValueError(f"worker {worker} pushed step {step}, but this server is at step {self.step}: "
                                  "the workers and the server disagree on the position (a resumed run?)")
@@ -177,6 +192,8 @@ class Server:
 
     def _apply_pending(self) -> None:
         """Sum the pushes in worker order, apply one step, wake the waiting pushes."""
+        if self._keep_undo:
+            self._undo = (self.step, self.shard.snapshot())
         order = sorted(self._pending)
         total = [buffer.clone() for buffer in self._pending[order[0]]]
         for worker in order[1:]:
@@ -187,6 +204,22 @@ class Server:
         self.step += 1
         self.version += 1
         self.cond.notify_all()
+
+    def _seek(self, step: int) -> None:
+        """Sync: a worker restored the state of ``step``; go back to it if this server is one step ahead."""
+        if self.mode == "async":
+            return
+        with self.cond:
+            if step == self.step:
+                return
+            if self._undo is None or self._undo[0] != step:
+                raise ValueError(f"a worker restored step {step}, but this server is at step {self.step} and can "
+                                 "go back one step at most")
+            self.shard.restore(self._undo[1])
+            self.step, self._undo = step, None
+            self.version += 1
+            logger.warning("parameter server %d: went back to step %d, which the re-formed group redoes",
+                           self.server, step)
 
     def _reply_parameters(self, channel: Channel, status: Status) -> None:
         if self.mode == "async":
@@ -230,7 +263,7 @@ class Server:
             channel.send([wire.header(Status.EPOCH_DONE, 0, 0, 0, 0, epoch, 0, totals.numel())], wire.HEADER)
             channel.send([totals], wire.VALUES)
         else:
-            channel.send([wire.header(Status.TASK, int(waited), int(phase), 0, 0, epoch, task)], wire.HEADER)
+            channel.send([wire.header(Status.TASK, int(waited), int(phase), self.workers, 0, epoch, task)], wire.HEADER)
 
     # --- failures --------------------------------------------------------------------------
 
@@ -241,6 +274,7 @@ class Server:
             self.live.discard(worker)
             self._pending.pop(worker, None)
             self._losses += 1
+            self._lost_generation = self._generation
             self._lost_names.append(worker)
             if self.dealer is not None:
                 self.dealer.lose(worker)

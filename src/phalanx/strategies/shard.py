@@ -8,6 +8,7 @@ count); dividing by the count gives the global-batch average.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import torch
@@ -54,6 +55,15 @@ class Shard:
         for param_group, rate in zip(self.optimizer.param_groups, rates):
             param_group["lr"] = rate
         self.optimizer.step()
+
+    def snapshot(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """A copy of the parameters and optimizer state, to go back one step (elastic jobs)."""
+        return [flat.clone() for flat in self.flats], copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self, snapshot: tuple[list[torch.Tensor], dict[str, Any]]) -> None:
+        flats, state = snapshot
+        self.load_parameters(flats)
+        self.optimizer.load_state_dict(state)
 
     def load_parameters(self, flats: Sequence[torch.Tensor]) -> None:
         for mine, given in zip(self.flats, flats):

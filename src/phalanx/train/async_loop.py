@@ -2,7 +2,9 @@
 
 Each worker asks parameter server 0 for a task (one worker share of one global batch), trains on
 it (the push and the pull are the optimizer step), and asks again; the request reports the
-task's metric sums. Once an epoch's training tasks are all applied, its validation batches are
+task's metric sums. Workers never wait for one another, so a lost worker costs only its batch,
+which is dealt again (under ``--min-workers`` the others re-form their group between batches).
+Once an epoch's training tasks are all applied, its validation batches are
 dealt the same way, then every worker learns the epoch's global metrics from server 0, pulls
 the final parameters and runs the epoch-end callbacks (checkpoints included) together.
 """
@@ -14,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx.comm import runtime
-from phalanx.strategies.client import ServerClient
+from phalanx import elastic
+from phalanx.strategies.client import ServerClient, Task
 from phalanx.strategies.protocol import Phase, Status
 from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, fresh_copies
@@ -44,24 +46,25 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
     state.model.train()
     state.epoch, state.step = epoch, 0
     hooks.on_epoch_begin(epoch, state)
-    shares, phase_seen, sums = runtime.size(), None, None
+    phase_seen, sums = None, None
     started, samples = time.perf_counter(), 0
     while True:
-        status, phase, task, waited, totals = client.next_task(epoch, sums)
-        if status is Status.EPOCH_DONE:
+        elastic.follow()  # a lost worker's batch is dealt again; the group re-forms between batches
+        task = client.next_task(epoch, sums)
+        if task.status is Status.EPOCH_DONE:
             break
-        if waited or phase != phase_seen:  # held back, or validation starts: take the newest parameters
+        if task.waited or task.phase != phase_seen:  # held back, or validation starts: the newest parameters
             client.pull()
-            phase_seen = phase
-        step, share = divmod(task, shares)
-        if phase == Phase.TRAIN:
-            sums = _train_task(state, hooks, loss_fn, lr_schedule, epoch, step, share, shares)
+            phase_seen = task.phase
+        if task.phase is Phase.TRAIN:
+            sums = _train_task(state, hooks, loss_fn, lr_schedule, epoch, task)
             samples += state.loader.last_local_batch_size
-            state.step, state.global_step = step + 1, state.global_step + 1
-            hooks.on_step_end(step, {**_values(state.metrics, sums),
-                                     "samples_per_s": samples / max(time.perf_counter() - started, 1e-9)}, state)
+            state.step, state.global_step = task.step + 1, state.global_step + 1
+            hooks.on_step_end(task.step, {**_values(state.metrics, sums),
+                                          "samples_per_s": samples / max(time.perf_counter() - started, 1e-9)}, state)
         else:
-            sums = _validate_task(state, loss_fn, val_loader, epoch, step, share, shares)
+            sums = _validate_task(state, loss_fn, val_loader, task)
+    totals = task.totals
     assert totals is not None
     client.pull()  # every update of the epoch is applied: the same parameters on every worker
     half = totals.numel() // 2
@@ -72,11 +75,11 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
 
 
 def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None, epoch: int,
-                step: int, share: int, shares: int) -> torch.Tensor:
-    batch = state.loader.batch_at(epoch, step, share, shares)
-    state.step = step
+                task: Task) -> torch.Tensor:
+    batch = state.loader.batch_at(epoch, task.step, task.share, task.shares)
+    state.step = task.step
     apply_schedule(state, lr_schedule)
-    hooks.on_step_begin(step, state)
+    hooks.on_step_begin(task.step, state)
     for metric in state.metrics:
         metric.reset()
     train_step(state, batch, loss_fn)
@@ -84,10 +87,9 @@ def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: S
 
 
 @torch.no_grad()
-def _validate_task(state: TrainState, loss_fn: Callable, val_loader: Any, epoch: int, step: int, share: int,
-                   shares: int) -> torch.Tensor:
+def _validate_task(state: TrainState, loss_fn: Callable, val_loader: Any, task: Task) -> torch.Tensor:
     metrics = fresh_copies(state.metrics)
-    inputs, targets = split_batch(val_loader.batch_at(0, step, share, shares))
+    inputs, targets = split_batch(val_loader.batch_at(0, task.step, task.share, task.shares))
     if len(targets):
         state.model.eval()
         outputs = state.model(*inputs)

@@ -1,6 +1,7 @@
 """Save and restore the whole training state: model, optimizer, data position, RNG, counters.
 
-``save`` is collective: every rank contributes its random-number state, rank 0 writes. ``restore``
+``save`` is collective: every rank contributes its random-number state, rank 0 writes (workers of
+asynchronous parameter servers, which never wait for one another, do not: rank 0 writes alone). ``restore``
 reads on rank 0 and broadcasts, so hosts need no shared file system. A run resumed at another
 world size continues the data exactly (the loader's position is global) and re-seeds each rank's
 generator from (seed, step, rank), since per-rank streams cannot be redistributed.
@@ -30,7 +31,8 @@ ELASTIC_LAST = "elastic-last.pt"
 
 def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
     """Write a checkpoint of ``state`` into ``directory`` (collective; rank 0 writes)."""
-    rng_states = collectives.allgather_object(torch.get_rng_state())
+    # Workers in lockstep save every rank's generator; asynchronous ones are reseeded on resume.
+    rng_states = collectives.allgather_object(torch.get_rng_state()) if state.lockstep else None
     position = LoopPosition(state).state_dict()
     if not runtime.is_master():
         return

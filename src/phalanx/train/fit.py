@@ -19,6 +19,7 @@ from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks as cb, checkpoint
 from phalanx.strategies.central_storage import CentralStorage
+from phalanx.strategies.client import ServerOptimizer
 from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train.async_loop import train_async
 from phalanx.train.lr import Schedule
@@ -58,7 +59,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     """
     runtime.init()
     micro = _micro_batch_size(reproducible, micro_batch_size)
-    _check_strategy(strategy, micro, checkpoint_dir)
+    _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
     val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
     if runtime.role() == "server":
@@ -73,14 +74,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
         resumed_from = checkpoint.restore(state, checkpoint_dir)
         if resumed_from is not None:
             _report_resume(state, resumed_from, checkpoint_dir, verbose)
-    try:
-        if strategy is not None and strategy.asynchronous:
-            train_async(state, hooks, loss_fn, val_loader, lr_schedule, strategy.client)
-        else:
-            _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
-    finally:
-        if strategy is not None:
-            strategy.finish(state.history.state_dict())
+    if strategy is None:
+        _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+    else:
+        _train_with(strategy, state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
     return state.history
 
 
@@ -105,10 +102,34 @@ def _serve(strategy: Strategy | None, model: nn.Module, optimizer: torch.optim.O
     return History.from_state_dict(history) if history is not None else History()
 
 
-def _check_strategy(strategy: Strategy | None, micro_batch_size: int | None,
-                    checkpoint_dir: str | Path | None) -> None:
+def _train_with(strategy: Strategy, state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any,
+                lr_schedule: Schedule | None, checkpoint_dir: str | Path | None) -> None:
+    """Train under ``strategy``; a worker that fails drops its connections instead of saying goodbye,
+    so that parameter servers count it as lost rather than finished."""
+    state.lockstep = not strategy.asynchronous
+    try:
+        if state.lockstep:
+            _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+        else:
+            train_async(state, hooks, loss_fn, val_loader, lr_schedule, strategy.client)
+    except BaseException:
+        strategy.close()
+        raise
+    strategy.finish(state.history.state_dict())
+
+
+def _check_strategy(strategy: Strategy | None, micro_batch_size: int | None, checkpoint_dir: str | Path | None,
+                    checkpoint_every: int | None) -> None:
     if strategy is None:
         return
+    if isinstance(strategy, CentralStorage) and elastic.enabled():
+        raise ConfigurationError(
+            "px.CentralStorage keeps the optimizer state on one rank, which an elastic job could lose: use "
+            "px.DataParallel or px.ParameterServer with --min-workers.")
+    if strategy.asynchronous and checkpoint_every is not None:
+        raise ConfigurationError(
+            "asynchronous parameter servers checkpoint at epoch ends (mid-epoch, the dealt batches are not a "
+            "position); drop checkpoint_every.")
     if micro_batch_size is not None:
         raise ConfigurationError("reproducible=True trains with px.DataParallel only; drop strategy= or reproducible=.")
     if isinstance(strategy, CentralStorage) and strategy.rank != 0 and checkpoint_dir is not None:
@@ -154,7 +175,8 @@ def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
 def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
                    checkpoint_dir: str | Path | None) -> None:
     """The same loop, committed after every step: a lost worker costs at most the step in flight."""
-    objects = {"model": state.model, "optimizer": state.optimizer, "loader": state.loader,
+    optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
+    objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
                "loop": LoopPosition(state), **({"val_loader": val_loader} if val_loader is not None else {}),
                **({"exact": state.exact} if state.exact is not None else {})}
     last = None

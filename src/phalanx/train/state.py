@@ -58,6 +58,7 @@ class TrainState:
     seed: int = 0
     metrics: list = field(default_factory=list)
     exact: Any = None
+    lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
 
     @property
     def steps_per_epoch(self) -> int:
