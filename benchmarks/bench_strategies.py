@@ -1,6 +1,6 @@
 """Parameter servers and central storage against px.DataParallel, alternating, on this host.
 
-    python benchmarks/bench_strategies.py [--reps 3] [--parts step,memory,async]
+    python benchmarks/bench_strategies.py [--reps 3] [--parts step,memory,async,netns]
 
 Every measurement is one ``phalanx run`` job of this same file; variants take turns within each
 repetition and the medians over repetitions are printed, with ratios to the data-parallel run
@@ -30,14 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench_ddp import NETNS, NETNS_ADDR, netns_down, netns_up
+
 EPOCHS = 8
 STEP_VARIANTS = [("dp", 2, 0), ("sync", 2, 1), ("sync", 2, 2), ("cs", 2, 0),
                  ("dp", 3, 0), ("sync", 3, 1), ("sync", 3, 2), ("cs", 3, 0)]
 
 
-def mlp() -> nn.Module:
+def mlp(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 def strategy_for(mode: str):
@@ -51,11 +53,11 @@ def resident_mb() -> float:
         return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1)) / 1024
 
 
-def job_step(mode: str) -> None:
+def job_step(mode: str, width: str) -> None:
     """One timing job (runs inside phalanx run)."""
     import phalanx as px
     px.init()
-    model, strategy = mlp(), strategy_for(mode)
+    model, strategy = mlp(int(width)), strategy_for(mode)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     if px.role() == "server":
         strategy.serve(model, optimizer)
@@ -78,7 +80,7 @@ def job_step(mode: str) -> None:
         strategy.finish()
 
 
-def job_async(mode: str) -> None:
+def job_async(mode: str, slow: str) -> None:
     """Digits with one slow worker (runs inside phalanx run)."""
     import phalanx as px
     from sklearn.datasets import load_digits
@@ -91,9 +93,14 @@ def job_async(mode: str) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     class SlowWorker(px.callbacks.Callback):
+        """Rank 1 sleeps 50 ms, or twice its own step time (three times slower), after each step."""
+
+        def on_step_begin(self, step, state):
+            self.began = time.perf_counter()
+
         def on_step_end(self, step, logs, state):
             if px.rank() == 1:
-                time.sleep(0.05)
+                time.sleep(0.05 if slow == "50ms" else 2 * (time.perf_counter() - self.began))
 
     started = time.perf_counter()
     history = px.fit(model, optimizer, F.cross_entropy, (images[:1437], labels[:1437]),
@@ -105,22 +112,53 @@ def job_async(mode: str) -> None:
               f"val_accuracy={history['val_accuracy'][-1]:.4f}", flush=True)
 
 
-def launch(part: str, mode: str, workers: int, servers: int) -> dict[int, dict[str, float]]:
-    command = [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--servers", str(servers),
-               "--timeout", "120", __file__, "--job", part, mode]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")})
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+def launch(part: str, mode: str, workers: int, servers: int, extra: str) -> dict[int, dict[str, float]]:
+    """Run one job; ``part`` netns runs one launcher per namespace (W and S over both hosts)."""
+    job = [__file__, "--job", "step" if part == "netns" else part, mode, extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    if part != "netns":
+        command = [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--servers", str(servers),
+                   "--timeout", "120", *job]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+        return parse(done.stdout)
+    port = str(29000 + random.Random().randrange(1000))
+    launchers = [subprocess.Popen(
+        ["ip", "netns", "exec", NETNS[node], sys.executable, "-m", "phalanx", "run", "-n", str(workers // 2),
+         "--servers", str(servers // 2), "--nnodes", "2", "--node-rank", str(node), "--master-addr", NETNS_ADDR[0],
+         "--master-port", port, "--timeout", "120", *job],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+    outputs = [launcher.communicate(timeout=600) for launcher in launchers]
+    if any(launcher.returncode for launcher in launchers):
+        raise SystemExit(f"netns job {mode} failed:\n" + "\n".join(err[-2000:] for _, err in outputs))
+    return parse(outputs[0][0] + outputs[1][0])
+
+
+def parse(stdout: str) -> dict[int, dict[str, float]]:
     results = {}
-    for rank, fields in re.findall(r"RESULT rank=(\d+) (.*)", done.stdout):
+    for rank, fields in re.findall(r"RESULT rank=(\d+) (.*)", stdout):
         results[int(rank)] = {key: float(value) for key, value in re.findall(r"(\w+)=([\d.]+)", fields)}
     return results
 
 
 def drive(parts: list[str], reps: int) -> None:
-    variants = [("step", *v) for v in STEP_VARIANTS] if "step" in parts or "memory" in parts else []
-    variants += [("async", "sync", 3, 1), ("async", "async", 3, 1)] if "async" in parts else []
+    variants = [("step", *v, "1024") for v in STEP_VARIANTS] if "step" in parts else []
+    variants += [("step", mode, 2, 0, "4096") for mode in ("dp", "cs")] if "memory" in parts else []
+    variants += [("async", mode, 3, 1, slow) for slow in ("3x", "50ms") for mode in ("sync", "async")] \
+        if "async" in parts else []
+    variants += [("netns", mode, w, s, "1024") for w in (2, 4) for mode, s in (("dp", 0), ("sync", 2))] \
+        if "netns" in parts else []
+    if "netns" in parts:
+        netns_up("1gbit")
+    try:
+        measure(variants, reps, parts)
+    finally:
+        if "netns" in parts:
+            netns_down()
+
+
+def measure(variants: list[tuple], reps: int, parts: list[str]) -> None:
     measured: dict[tuple, list[dict[int, dict[str, float]]]] = {v: [] for v in variants}
     for rep in range(reps):
         order = variants[:]
@@ -136,42 +174,46 @@ def median_of(runs: list[dict[int, dict[str, float]]], rank: int, key: str) -> f
 
 
 def report(measured: dict, parts: list[str]) -> None:
-    if "step" in parts:
-        print("\n| W | variant | S | step ms (median) | / DataParallel (median of per-rep ratios) |\n|---|---|---|---|---|")
-        for (part, mode, workers, servers), runs in measured.items():
-            if part != "step":
-                continue
-            base = measured[("step", "dp", workers, 0)]
-            ratios = [run[0]["step_ms"] / ref[0]["step_ms"] for run, ref in zip(runs, base)]
-            print(f"| {workers} | {mode} | {servers} | {median_of(runs, 0, 'step_ms'):.1f} | "
-                  f"{statistics.median(ratios):.2f}x |")
+    for part, width in (("step", "1024"), ("netns", "1024")):
+        if part in parts:
+            print(f"\n{part}: | W | variant | S | step ms (median) | / DataParallel (median of per-rep ratios) |"
+                  "\n|---|---|---|---|---|")
+            for (kind, mode, workers, servers, extra), runs in measured.items():
+                if kind == part and extra == width:
+                    base = measured[(part, "dp", workers, 0, width)]
+                    ratios = [run[0]["step_ms"] / ref[0]["step_ms"] for run, ref in zip(runs, base)]
+                    print(f"| {workers} | {mode} | {servers} | {median_of(runs, 0, 'step_ms'):.1f} | "
+                          f"{statistics.median(ratios):.2f}x |")
     if "memory" in parts:
-        print("\n| W=2 | rank 0 RSS MB | rank 1 RSS MB | rank 0 optimizer state MB | rank 1 optimizer state MB |"
-              "\n|---|---|---|---|---|")
+        print("\n| W=2, 20 M parameters, Adam | step ms | rank 0 RSS MB | rank 1 RSS MB | rank 0 optimizer state MB "
+              "| rank 1 optimizer state MB |\n|---|---|---|---|---|---|")
         for mode in ("dp", "cs"):
-            runs = measured[("step", mode, 2, 0)]
-            print(f"| {mode} | {median_of(runs, 0, 'rss_mb'):.0f} | {median_of(runs, 1, 'rss_mb'):.0f} | "
-                  f"{median_of(runs, 0, 'state_mb'):.1f} | {median_of(runs, 1, 'state_mb'):.1f} |")
+            runs = measured[("step", mode, 2, 0, "4096")]
+            print(f"| {mode} | {median_of(runs, 0, 'step_ms'):.0f} | {median_of(runs, 0, 'rss_mb'):.0f} | "
+                  f"{median_of(runs, 1, 'rss_mb'):.0f} | {median_of(runs, 0, 'state_mb'):.1f} | "
+                  f"{median_of(runs, 1, 'state_mb'):.1f} |")
     if "async" in parts:
-        print("\n| digits, W=3, S=1, worker 1 sleeps 50 ms/step | samples/s | wall s | val accuracy |\n|---|---|---|---|")
-        for mode in ("sync", "async"):
-            runs = measured[("async", mode, 3, 1)]
-            print(f"| {mode} | {median_of(runs, 0, 'samples_per_s'):.0f} | {median_of(runs, 0, 'wall_s'):.1f} | "
-                  f"{median_of(runs, 0, 'val_accuracy'):.2%} |")
-        ratios = [a[0]["samples_per_s"] / s[0]["samples_per_s"]
-                  for a, s in zip(measured[("async", "async", 3, 1)], measured[("async", "sync", 3, 1)])]
-        print(f"\nasync / sync samples per second: median {statistics.median(ratios):.2f}x over {len(ratios)} reps")
+        print("\n| digits, W=3, S=1, slow worker 1 | mode | samples/s | wall s | val accuracy |\n|---|---|---|---|---|")
+        for slow in ("3x", "50ms"):
+            for mode in ("sync", "async"):
+                runs = measured[("async", mode, 3, 1, slow)]
+                print(f"| {slow} | {mode} | {median_of(runs, 0, 'samples_per_s'):.0f} | "
+                      f"{median_of(runs, 0, 'wall_s'):.1f} | {median_of(runs, 0, 'val_accuracy'):.2%} |")
+            ratios = [a[0]["samples_per_s"] / s[0]["samples_per_s"] for a, s in
+                      zip(measured[("async", "async", 3, 1, slow)], measured[("async", "sync", 3, 1, slow)])]
+            print(f"\n{slow}: async / sync samples per second, median {statistics.median(ratios):.2f}x "
+                  f"over {len(ratios)} reps\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--parts", default="step,memory,async")
-    parser.add_argument("--job", nargs=2, metavar=("PART", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--job", nargs=3, metavar=("PART", "MODE", "EXTRA"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.job:
-        (job_step if args.job[0] == "step" else job_async)(args.job[1])
+        (job_step if args.job[0] == "step" else job_async)(args.job[1], args.job[2])
     else:
         drive(args.parts.split(","), args.reps)
 

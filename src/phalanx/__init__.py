@@ -15,6 +15,7 @@ from phalanx.comm.collectives import (
     broadcast_,
     broadcast_object,
     reduce,
+    reduce_,
     reduce_scatter,
 )
 from phalanx.comm.runtime import (
@@ -66,6 +67,6 @@ __all__ = [
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
     "WorkerFailedError", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
     "broadcast", "broadcast_", "broadcast_object", "device", "init", "is_initialized", "is_master",
-    "local_rank", "local_size", "node_rank", "num_servers", "rank", "role", "reduce", "reduce_scatter", "shutdown", "size",
+    "local_rank", "local_size", "node_rank", "num_servers", "rank", "role", "reduce", "reduce_", "reduce_scatter", "shutdown", "size",
     "timeout",
 ]

@@ -28,6 +28,8 @@ def _every_collective() -> dict:
     out["allgather_scalar"] = px.allgather(torch.tensor(r))
     out["broadcast"] = px.broadcast(t, root=n - 1)
     out["reduce"] = px.reduce(t, root=n - 1, op="sum")
+    in_place = t.clone()
+    out["reduce_"] = (px.reduce_(in_place, root=n - 1, op="avg"), in_place)
     out["reduce_scatter_even"] = px.reduce_scatter(torch.ones(2 * n, 2) * (r + 1), op="sum")
     out["reduce_scatter_uneven"] = px.reduce_scatter(torch.arange(2 * n + 1.0), op="max")
     splits = [(r + dest) % 2 + 1 for dest in range(n)]
@@ -72,6 +74,9 @@ def test_every_collective_gives_the_reference_result(world_size: int) -> None:
         assert torch.equal(out["broadcast"], _rank_tensor(n - 1))
         if r == n - 1:
             torch.testing.assert_close(out["reduce"], _expected_allreduce(n, "sum"))
+            assert out["reduce_"][0] is not None
+            torch.testing.assert_close(out["reduce_"][1], _expected_allreduce(n, "avg"))
+            assert out["reduce_"][0].data_ptr() == out["reduce_"][1].data_ptr()
         else:
             assert out["reduce"] is None
         expected_even = torch.ones(2, 2) * sum(k + 1 for k in range(n))

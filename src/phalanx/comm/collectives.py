@@ -185,10 +185,25 @@ def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bo
     reduce_op = _reduce_op(op, tensor)
     if check:
         _check("reduce", tensor, root * len(REDUCE_OPS) + REDUCE_OPS_INDEX[op])
-    result = tensor.clone()
+    return _reduce_into(tensor.clone(), root, reduce_op, op, async_op)
+
+
+def reduce_(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
+            check: bool = True) -> torch.Tensor | None | Handle[torch.Tensor | None]:
+    """Like :func:`reduce`, but in place: root's ``tensor`` receives the result (and is returned);
+    elsewhere ``tensor`` is left unspecified and ``None`` is returned. Saves a copy of the tensor."""
+    _check_root(root)
+    reduce_op = _reduce_op(op, tensor)
+    if check:
+        _check("reduce", tensor, root * len(REDUCE_OPS) + REDUCE_OPS_INDEX[op])
+    return _reduce_into(tensor, root, reduce_op, op, async_op)
+
+
+def _reduce_into(result: torch.Tensor, root: int, reduce_op: Any, op: str,
+                 async_op: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     scale = _averaging(op, result)
     is_root = runtime.rank() == root
-    return _launch("reduce", lambda: dist.reduce(result, root, reduce_op, group=_group(tensor), async_op=True),
+    return _launch("reduce", lambda: dist.reduce(result, root, reduce_op, group=_group(result), async_op=True),
                    lambda: scale(result) if is_root else None, async_op)
 
 

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from phalanx.comm import collectives, runtime
-from phalanx.comm.collectives import then
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.data_parallel import DataParallel
@@ -30,8 +29,7 @@ class ReduceToStorage(Reduction):
         self.storage = storage
 
     def reduce(self, bucket: Bucket) -> Waitable:
-        summed = collectives.reduce(bucket.flat, root=self.storage, async_op=True, check=False)
-        return then(summed, lambda total: bucket.flat.copy_(total) if total is not None else None)
+        return collectives.reduce_(bucket.flat, root=self.storage, async_op=True, check=False)
 
 
 class StoredOptimizer:
