@@ -125,3 +125,22 @@ def test_async_servers_drop_a_lost_worker_and_go_on(tmp_path: Path) -> None:
     assert "lost worker" in done.stdout + done.stderr
     histories = re.findall(r"(?:worker|server) history (\{.*\})", done.stdout)
     assert len(histories) == 3 and len(set(histories)) == 1, histories
+
+
+def test_servers_on_two_hosts_train_like_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
+    """One worker and one server per host (two network namespaces): DataParallel's weights."""
+    reference = trained(tmp_path, "dp", ["-n", "2"], "dp")
+    common = ["--timeout", "60", "-n", "1", "--servers", "1", "--nnodes", "2", "--master-addr", "198.18.0.1",
+              "--master-port", "29531"]
+    out = tmp_path / "hosts.pt"
+    launchers = [subprocess.Popen(["ip", "netns", "exec", host, *phalanx_command(*common, "--node-rank", str(node),
+                                                                                 SCRIPT, "sync", str(out))],
+                                  cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for node, host in enumerate(two_hosts)]
+    try:
+        outputs = [launcher.communicate(timeout=120) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    assert_close(torch.load(out), reference)
