@@ -92,7 +92,7 @@ class ServerClient:
         """
         values = [] if sums is None else sums.tolist()
         self._request(0, Kind.NEXT, values, epoch=epoch)
-        status, waited, phase, shares, _, _, task, totals_len = self._reply(0, "get the next batch from")
+        status, waited, phase, shares, applied, _, task, totals_len = self._reply(0, "get the next batch from")
         if status == Status.EPOCH_DONE:
             totals = torch.zeros(totals_len, dtype=torch.float64)
             try:
@@ -101,7 +101,7 @@ class ServerClient:
                 raise self._server_failed(0, "get the epoch's metrics from", error) from error
             return Task(Status.EPOCH_DONE, totals=totals)
         step, share = divmod(task, shares)
-        return Task(Status.TASK, Phase(phase), step, share, shares, bool(waited))
+        return Task(Status.TASK, Phase(phase), step, share, shares, bool(waited), applied // shares)
 
     def pull(self) -> None:
         """Fetch the newest parameters from every server."""
@@ -239,6 +239,7 @@ class Task:
     share: int = 0
     shares: int = 1  # a global batch's shares: the job's workers when it started
     waited: bool = False
+    progress: int = 0  # global batches of the epoch fully applied when this task was dealt
     totals: torch.Tensor | None = None
 
 

@@ -26,6 +26,7 @@ class _Epoch:
     phase: Phase
     queue: collections.deque[int]
     in_flight: dict[int, tuple[Phase, int]] = field(default_factory=dict)
+    applied: int = 0  # training tasks applied so far
     sums: dict[Phase, torch.Tensor] = field(default_factory=dict)
 
 
@@ -51,6 +52,12 @@ class Dealer:
             epoch.sums.setdefault(phase, torch.zeros(self.metric_values, dtype=torch.float64)).add_(sums)
         if phase is Phase.TRAIN:
             self.done_tasks[worker] += 1
+            epoch.applied += 1
+
+    @property
+    def applied(self) -> int:
+        """Training tasks of the current epoch applied so far (for progress)."""
+        return self.current.applied if self.current is not None else 0
 
     def lose(self, worker: int) -> None:
         """A lost worker's task goes back to the front of the queue."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import io
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,6 +41,19 @@ class Status(enum.IntEnum):
     TASK = 2  # async: here is a task (epoch, index, phase)
     EPOCH_DONE = 3  # async: every task of the epoch is applied; the values hold its metric sums
     FAILED = 4  # the server could not apply the request; the object holds its message
+
+
+class Request(NamedTuple):
+    """A request's header: what it asks, and where the worker stands."""
+
+    kind: int
+    step: int  # sync: the worker's step count (a goodbye: 1 when an object follows)
+    generation: int  # the workers' group generation (elastic jobs re-form)
+    world: int  # workers in that group
+    elastic: int  # 1 in an elastic job: keep the state before the last step
+    epoch: int  # async: the epoch a task is asked for
+    task: int
+    values: int  # length of the float64 values that follow
 
 
 class Phase(enum.IntEnum):

@@ -26,7 +26,7 @@ from phalanx.comm.channel import Channel, ChannelClosed, Listener
 from phalanx.errors import CollectiveTimeoutError
 from phalanx.strategies import protocol as wire
 from phalanx.strategies.dealer import Dealer
-from phalanx.strategies.protocol import Kind, Status
+from phalanx.strategies.protocol import Kind, Request, Status
 from phalanx.strategies.shard import Shard
 
 logger = logging.getLogger(__name__)
@@ -103,44 +103,60 @@ class Server:
     def _handle(self, worker: int, channel: Channel, buffers: list[torch.Tensor]) -> bool:
         """Serve one request; False after the worker's goodbye."""
         head = wire.empty_header()
-        channel.recv([head], wire.HEADER, timeout_s=None)
-        kind, step, generation, world, elastic, epoch, _, values_len = head.tolist()
-        self._keep_undo = self._keep_undo or bool(elastic)
-        values = torch.zeros(values_len, dtype=torch.float64)
-        if values_len:
+        channel.recv([head], wire.HEADER)
+        request = Request(*head.tolist())
+        self._keep_undo = self._keep_undo or bool(request.elastic)
+        values = torch.zeros(request.values, dtype=torch.float64)
+        if request.values:
             channel.recv([values], wire.VALUES)
-        if kind == Kind.PUSH:
-            channel.recv(buffers, wire.GROUP_TAG)
-            self._push(worker, channel, buffers, step, generation, world, values.tolist())
-        elif kind == Kind.PULL:
-            self._seek(step)
-            self._reply_parameters(channel, Status.OK)
-        elif kind in (Kind.INIT, Kind.LOAD):
-            flats = [torch.empty_like(flat) for flat in self.shard.flats]
-            channel.recv(flats, wire.GROUP_TAG)
-            states = wire.recv_object(channel) if kind == Kind.LOAD else None
-            self._take(flats, states, kind == Kind.LOAD)
-            channel.send([wire.header(Status.OK)], wire.HEADER)
-        elif kind == Kind.SAVE:
-            with self.cond:
-                states = self.shard.optimizer_state()
-            channel.send([wire.header(Status.OK)], wire.HEADER)
-            wire.send_object(channel, states)
-        elif kind == Kind.NEXT:
-            self._next(worker, channel, epoch, values)
-        elif kind == Kind.BYE:
-            history = wire.recv_object(channel) if step else None
-            channel.send([wire.header(Status.OK)], wire.HEADER)
-            with self.cond:
-                self.history = history if history is not None else self.history
-                self.live.discard(worker)
-                self.cond.notify_all()
-            return False
-        else:
-            raise ValueError(f"unknown request kind {kind}")
-        return True
+        handlers = {Kind.PUSH: self._on_push, Kind.PULL: self._on_pull, Kind.INIT: self._on_parameters,
+                    Kind.LOAD: self._on_parameters, Kind.SAVE: self._on_save, Kind.NEXT: self._on_next,
+                    Kind.BYE: self._on_goodbye}
+        if request.kind not in handlers:
+            raise ValueError(f"unknown request kind {request.kind}")
+        return handlers[Kind(request.kind)](worker, channel, request, values, buffers) is not False
 
     # --- requests --------------------------------------------------------------------------
+
+    def _on_push(self, worker: int, channel: Channel, request: Request, values: torch.Tensor,
+                 buffers: list[torch.Tensor]) -> None:
+        channel.recv(buffers, wire.GROUP_TAG)
+        self._push(worker, channel, buffers, request.step, request.generation, request.world, values.tolist())
+
+    def _on_pull(self, worker: int, channel: Channel, request: Request, values: torch.Tensor,
+                 buffers: list[torch.Tensor]) -> None:
+        self._seek(request.step)
+        self._reply_parameters(channel, Status.OK)
+
+    def _on_parameters(self, worker: int, channel: Channel, request: Request, values: torch.Tensor,
+                       buffers: list[torch.Tensor]) -> None:
+        """INIT (the first worker's initial parameters) or LOAD (a resumed run's, with optimizer state)."""
+        flats = [torch.empty_like(flat) for flat in self.shard.flats]
+        channel.recv(flats, wire.GROUP_TAG)
+        states = wire.recv_object(channel) if request.kind == Kind.LOAD else None
+        self._take(flats, states, request.kind == Kind.LOAD)
+        channel.send([wire.header(Status.OK)], wire.HEADER)
+
+    def _on_save(self, worker: int, channel: Channel, request: Request, values: torch.Tensor,
+                 buffers: list[torch.Tensor]) -> None:
+        with self.cond:
+            states = self.shard.optimizer_state()
+        channel.send([wire.header(Status.OK)], wire.HEADER)
+        wire.send_object(channel, states)
+
+    def _on_next(self, worker: int, channel: Channel, request: Request, values: torch.Tensor,
+                 buffers: list[torch.Tensor]) -> None:
+        self._next(worker, channel, request.epoch, values)
+
+    def _on_goodbye(self, worker: int, channel: Channel, request: Request, values: torch.Tensor,
+                    buffers: list[torch.Tensor]) -> bool:
+        history = wire.recv_object(channel) if request.step else None
+        channel.send([wire.header(Status.OK)], wire.HEADER)
+        with self.cond:
+            self.history = history if history is not None else self.history
+            self.live.discard(worker)
+            self.cond.notify_all()
+        return False
 
     def _push(self, worker: int, channel: Channel, buffers: list[torch.Tensor], step: int, generation: int,
               world: int, rates: list[float]) -> None:
@@ -258,12 +274,14 @@ class Server:
             self.cond.notify_all()
             what, task, phase = dealt
             totals = self.dealer.finished.get(epoch)
+            applied = self.dealer.applied
         if what == "done":
             assert totals is not None
             channel.send([wire.header(Status.EPOCH_DONE, 0, 0, 0, 0, epoch, 0, totals.numel())], wire.HEADER)
             channel.send([totals], wire.VALUES)
         else:
-            channel.send([wire.header(Status.TASK, int(waited), int(phase), self.workers, 0, epoch, task)], wire.HEADER)
+            channel.send([wire.header(Status.TASK, int(waited), int(phase), self.workers, applied, epoch, task)],
+                         wire.HEADER)
 
     # --- failures --------------------------------------------------------------------------
 

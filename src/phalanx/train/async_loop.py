@@ -59,7 +59,7 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
         if task.phase is Phase.TRAIN:
             sums = _train_task(state, hooks, loss_fn, lr_schedule, epoch, task)
             samples += state.loader.last_local_batch_size
-            state.step, state.global_step = task.step + 1, state.global_step + 1
+            state.step, state.global_step = task.progress + 1, state.global_step + 1  # the epoch's progress
             hooks.on_step_end(task.step, {**_values(state.metrics, sums),
                                           "samples_per_s": samples / max(time.perf_counter() - started, 1e-9)}, state)
         else:

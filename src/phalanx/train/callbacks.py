@@ -138,7 +138,7 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{logs.get('loss', float('nan')):.4f}",
                                   samples_s=f"{logs.get('samples_per_s', 0):.0f}", refresh=False)
-            self._bar.update(1)
+            self._bar.update(max(0, state.step - self._bar.n))  # asynchronous workers jump to the global count
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
         if not runtime.is_master():
