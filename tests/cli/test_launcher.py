@@ -38,6 +38,21 @@ def phalanx_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "phalanx", "run", *args]
 
 
+def run_on_hosts(hosts: list[str], common: list[str], target: list[str], cwd: Path, env: dict[str, str],
+                 timeout: float = 90) -> tuple[list[int], list[tuple[str, str]]]:
+    """One ``phalanx run`` per network namespace (node rank = its index); their exit codes and outputs."""
+    launchers = [subprocess.Popen(["ip", "netns", "exec", host,
+                                   *phalanx_command(*common, "--node-rank", str(node), *target)],
+                                  cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for node, host in enumerate(hosts)]
+    try:
+        outputs = [launcher.communicate(timeout=timeout) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    return [launcher.returncode for launcher in launchers], outputs
+
+
 def run_phalanx(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the launcher to completion; ``subprocess.run`` kills it if it overruns the timeout."""
     return subprocess.run(phalanx_command(*args), cwd=cwd, env=env or worker_env(), capture_output=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_launcher import phalanx_command, worker_env, write_script
+from tests.cli.test_launcher import phalanx_command, run_on_hosts, worker_env, write_script
 from tests.elastic.launch import clean_env, free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
@@ -67,16 +67,8 @@ def test_a_torchrun_ddp_script_runs_in_an_elastic_job(tmp_path: Path) -> None:
 def test_a_torchrun_ddp_script_runs_across_two_hosts(tmp_path: Path, two_hosts: list[str]) -> None:
     script = write_script(tmp_path, "ddp.py", DDP_SCRIPT)
     common = ["-n", "1", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29519"]
-    launchers = [subprocess.Popen(["ip", "netns", "exec", host, *phalanx_command(*common, "--node-rank", str(node),
-                                                                                 str(script))],
-                                  cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for node, host in enumerate(two_hosts)]
-    try:
-        outputs = [launcher.communicate(timeout=90) for launcher in launchers]
-    finally:
-        for launcher in launchers:
-            launcher.kill()
-    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    codes, outputs = run_on_hosts(two_hosts, common, [str(script)], tmp_path, clean_env())
+    assert codes == [0, 0], outputs
     assert "[0] rank 0 of 2 (local 0, node 0) in step" in outputs[0][0]
     assert "[1] rank 1 of 2 (local 0, node 1) in step" in outputs[1][0]
 

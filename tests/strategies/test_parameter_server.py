@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.test_launcher import phalanx_command, worker_env
+from tests.cli.test_launcher import phalanx_command, run_on_hosts, worker_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -133,14 +133,6 @@ def test_servers_on_two_hosts_train_like_data_parallel(tmp_path: Path, two_hosts
     common = ["--timeout", "60", "-n", "1", "--servers", "1", "--nnodes", "2", "--master-addr", "198.18.0.1",
               "--master-port", "29531"]
     out = tmp_path / "hosts.pt"
-    launchers = [subprocess.Popen(["ip", "netns", "exec", host, *phalanx_command(*common, "--node-rank", str(node),
-                                                                                 SCRIPT, "sync", str(out))],
-                                  cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for node, host in enumerate(two_hosts)]
-    try:
-        outputs = [launcher.communicate(timeout=120) for launcher in launchers]
-    finally:
-        for launcher in launchers:
-            launcher.kill()
-    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    codes, outputs = run_on_hosts(two_hosts, common, [SCRIPT, "sync", str(out)], tmp_path, worker_env(), 120)
+    assert codes == [0, 0], outputs
     assert_close(torch.load(out), reference)

@@ -8,7 +8,7 @@ rank only; the result equals data-parallel training up to float rounding.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction, Waitable
+from phalanx.strategies.held import HeldOptimizer
 
 
 class ReduceToStorage(Reduction):
@@ -32,15 +33,17 @@ class ReduceToStorage(Reduction):
         return collectives.reduce_(bucket.flat, root=self.storage, async_op=True, check=False)
 
 
-class StoredOptimizer:
+class StoredOptimizer(HeldOptimizer):
     """The user's optimizer, stepped on the storage rank only; ``step()`` then broadcasts the parameters.
 
     Elsewhere it keeps the hyperparameters (learning-rate schedules set them on every rank) and an
     empty ``state``.
     """
 
+    strategy = "px.CentralStorage"
+
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], storage: int):
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.params = params
         self.storage = storage
 
@@ -48,25 +51,8 @@ class StoredOptimizer:
     def is_storage(self) -> bool:
         return runtime.rank() == self.storage
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def _step(self) -> None:
         """The storage rank steps; every rank then receives its parameters (one broadcast per dtype)."""
-        if closure is not None:
-            raise ConfigurationError("px.CentralStorage's optimizer takes no closure.")
         if self.is_storage:
             self.optimizer.step()
         with torch.no_grad():

@@ -22,6 +22,7 @@ from phalanx.errors import CollectiveTimeoutError, ConfigurationError, ServerFai
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.reductions import Reduction, Waitable
 from phalanx.strategies import protocol as wire
+from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies.placement import Group, all_groups
 from phalanx.strategies.protocol import Kind, Phase, Status
 
@@ -31,9 +32,8 @@ logger = logging.getLogger(__name__)
 class ServerClient:
     """This worker's channels to every parameter server, and the step protocol over them."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], mode: str):
+    def __init__(self, params: Sequence[torch.nn.Parameter]):
         self.params = list(params)
-        self.mode = mode
         self.servers = runtime.num_servers()
         if self.servers < 1:
             raise ConfigurationError(
@@ -43,7 +43,7 @@ class ServerClient:
         self.by_params = {group.params: group for group in self.groups}
         self.step = 0
         self.rates: Callable[[], list[float]] = lambda: []
-        self._sent: dict[int, list[Any]] = {}
+        self._pushed: set[int] = set()  # servers that got this step's header
         self._received = [torch.empty(group.numel, dtype=group.dtype) for group in self.groups]
         self.channels = [self._connect(server) for server in range(self.servers)]
 
@@ -63,22 +63,21 @@ class ServerClient:
         group = self.by_params[tuple(bucket.param_indices)]
         server = group.server
         try:
-            if server not in self._sent:
+            if server not in self._pushed:
                 self._send_header(server, Kind.PUSH, self.rates())
-                self._sent[server] = []
+                self._pushed.add(server)
             works = self.channels[server].isend([bucket.flat], wire.GROUP_TAG + group.index)
         except ChannelClosed as error:
             raise self._server_failed(server, "push a gradient to", error) from error
-        self._sent[server].extend(works)
         return _Sends(self, server, works)
 
     def finish_step(self) -> None:
         """Receive every server's reply to this step's pushes and take the new parameters."""
-        if not self._sent:
+        if not self._pushed:
             raise ConfigurationError(
                 "optimizer.step() without a synchronised backward: under px.ParameterServer the step receives the "
                 "parameters the servers computed from this step's pushed gradients, so call loss.backward() first.")
-        servers, self._sent = sorted(self._sent), {}
+        servers, self._pushed = sorted(self._pushed), set()
         for server in servers:
             self._receive_parameters(server, "receive the parameters from")
         self.step += 1
@@ -275,39 +274,24 @@ class PushToServers(Reduction):
         return self.client.push(bucket)
 
 
-class ServerOptimizer:
+class ServerOptimizer(HeldOptimizer):
     """The user's optimizer, stepped on the parameter servers.
 
     ``param_groups`` are the user's (learning-rate schedules set them here and every push carries
     the rates); ``state`` stays empty on workers. ``step()`` waits for the servers' new parameters.
     """
 
+    strategy = "px.ParameterServer"
+
     def __init__(self, optimizer: torch.optim.Optimizer, client: ServerClient):
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.client = client
         client.rates = lambda: [float(group["lr"]) for group in optimizer.param_groups]
         position = {id(param): index for index, param in enumerate(client.params)}
         self._model_index = [position.get(id(p), -1) for g in optimizer.param_groups for p in g["params"]]
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def _step(self) -> None:
         """Receive the parameters the servers computed from this step's gradients."""
-        if closure is not None:
-            raise ConfigurationError("px.ParameterServer's optimizer takes no closure: the servers step it.")
         self.client.finish_step()
 
     @property

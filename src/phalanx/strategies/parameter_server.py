@@ -56,7 +56,7 @@ class ParameterServer:
         """Connect to the servers, hand them the initial parameters, and wrap model and optimizer."""
         wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
-        self.client = ServerClient(params, self.mode)
+        self.client = ServerClient(params)
         wrapped.use_reduction(PushToServers(self.client))
         self.client.initialise()
         return wrapped, ServerOptimizer(optimizer, self.client)
