@@ -54,6 +54,10 @@ class ParameterServer:
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ServerOptimizer]:
         """Connect to the servers, hand them the initial parameters, and wrap model and optimizer."""
+        if runtime.device().type != "cpu":
+            raise ConfigurationError(
+                "px.ParameterServer moves gradients over Gloo channels, which take CPU tensors: train on the CPU "
+                "(px.init(backend='gloo')), or use px.DataParallel / px.CentralStorage on GPUs.")
         wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         self.client = ServerClient(params)
