@@ -12,21 +12,23 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
-BOTTOM = {"errors", "sharding", "rng", "atomic"}
+BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime"}
 
 # What each part of the package may import besides itself. Anything not listed is refused.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "sharding": {"errors"},
     "atomic": {"errors"},
+    "lifetime": set(),
     "rng": set(),
     "comm": BOTTOM,
     "parallel": BOTTOM | {"comm"},  # the engine knows nothing of loaders
     "data": BOTTOM | {"comm"},  # loaders know nothing of the engine
     "elastic": BOTTOM | {"comm"},  # objects take part through a protocol, not by type
     "strategies": BOTTOM | {"comm", "parallel"},  # parameter servers, central storage: reductions and servers
-    "train": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies"},
-    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "train", "root"},
+    "tune": BOTTOM | {"comm"},  # the search (Optuna) and the trial's side of it, which px.fit reports through
+    "train": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune"},
+    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune", "train", "root"},
 }
 
 

@@ -33,7 +33,7 @@ from phalanx.comm.runtime import (
     size,
     timeout,
 )
-from phalanx import data, elastic
+from phalanx import data, elastic, tune
 from phalanx.parallel.batchnorm import SyncBatchNorm
 from phalanx.parallel.reductions import Reduction, TopK
 from phalanx.parallel.data_parallel import DataParallel
@@ -61,7 +61,7 @@ from phalanx.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CentralStorage", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "evaluate", "fit", "lr",
+    "CentralStorage", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",

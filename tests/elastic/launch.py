@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from phalanx.cli.workers import die_with_launcher  # the launcher dies with the test, its workers with it
+from phalanx.lifetime import die_with_parent  # the launcher dies with the test, its workers with it
 
 JOB = Path(__file__).with_name("job.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ class Launch:
                    "--out", str(self.out), "--pids", str(self.pids), "--progress", str(self.progress), *job_args]
         with open(self.log_out, "wb") as out, open(self.log_err, "wb") as err:
             self.process = subprocess.Popen(command, cwd=directory, env=clean_env(), stdout=out, stderr=err,
-                                            start_new_session=True, preexec_fn=die_with_launcher(os.getpid()))
+                                            start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)

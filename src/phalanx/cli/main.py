@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import IO, Sequence
 
+from phalanx.cli import tune
 from phalanx.cli.config import DEFAULT_GRACE_S, DEFAULT_MASTER_ADDR, LaunchConfig
 from phalanx.cli.elastic import ElasticSupervisor
 from phalanx.cli.launcher import Supervisor
@@ -53,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["run"]:
             return _run(argv[1:])
+        if argv[:1] == ["tune"]:
+            return _tune(argv[1:])
         return _other_command(argv)
     except SystemExit as exit_:  # argparse's --help and usage errors
         return exit_.code if isinstance(exit_.code, int) else 2
@@ -75,6 +78,21 @@ def _run(argv: list[str]) -> int:
     except OSError as error:  # e.g. the process table is full
         print(f"{PROG} run: error: could not start the workers: {error}", file=sys.stderr)
         return 1
+
+
+def _tune(argv: list[str]) -> int:
+    """``phalanx tune``: parse (the script's arguments stay untouched), run; errors print one line, exit 2."""
+    parser, value_options = tune_parser()
+    own, target = split_run_argv(argv, value_options)
+    namespace = parser.parse_args([*own, *(["--", target[0]] if target else [])])
+    try:
+        return tune.run(namespace, target[1:])
+    except ConfigurationError as error:
+        print(f"{PROG} tune: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} tune: stopped; run the same command again to continue the study", file=sys.stderr)
+        return 130
 
 
 def _other_command(argv: list[str]) -> int:
@@ -149,7 +167,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     run = commands.add_parser("run", help="start N local workers and supervise them", description=RUN_DESCRIPTION,
                               epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                               allow_abbrev=False)
-    return parser, _add_run_arguments(run)
+    run_values = _add_run_arguments(run)
+    tune.add_parser(commands)
+    return parser, run_values
+
+
+def tune_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
+    """The ``phalanx tune`` parser, and its options that take a value."""
+    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False)
+    return tune.add_parser(parser.add_subparsers(dest="command"))
 
 
 def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:

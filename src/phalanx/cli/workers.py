@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import IO, Callable, Deque, Sequence
 
 from phalanx.cli.config import WorkerSpec
+from phalanx.lifetime import die_with_parent
 
 STDERR_TAIL_LINES = 40
 MAX_PENDING_LINE = 1 << 16
-_PR_SET_PDEATHSIG = 1
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 
 
@@ -166,34 +164,6 @@ def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
 # --------------------------------------------------------------------------------------------
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    """libc's ``prctl`` on Linux, or None where it does not exist (then only group kills protect)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-def die_with_launcher(launcher_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the kernel SIGKILL the child when the launcher dies, even by SIGKILL.
-
-    Everything is prepared in the parent; the child only makes the call. If the launcher died
-    before the call took effect, the child exits at once instead of running as an orphan.
-    """
-    prctl = _load_prctl()
-    option, death_signal = ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL)
-
-    def setup_child() -> None:
-        if prctl is not None:
-            prctl(option, death_signal)
-        if os.getppid() != launcher_pid:
-            os._exit(1)
-
-    return setup_child
-
-
 class Worker:
     """One worker process: its spec, its process group, its output relays and the tail of its stderr."""
 
@@ -239,7 +209,7 @@ class Worker:
         self.process = subprocess.Popen(
             self.spec.command, env=self.spec.environment(os.environ), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=die_with_launcher(os.getpid()),
+            preexec_fn=die_with_parent(os.getpid()),
         )
         assert self.process.stdout is not None and self.process.stderr is not None
         self._relays = [relay.start(self.label, self.process.stdout, "stdout"),

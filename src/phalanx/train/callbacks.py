@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from phalanx.comm import runtime
+from phalanx.tune import trial
 from phalanx.errors import ConfigurationError
 from phalanx.train import checkpoint
 from phalanx.train.lr import warmup_factor
@@ -107,6 +108,15 @@ class Checkpoint(Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
         if self.every_epochs and (epoch + 1) % self.every_epochs == 0:
             checkpoint.save(state, self.directory, self.keep)
+
+
+class TuneReport(Callback):
+    """Inside a ``phalanx tune`` trial (added by px.fit): report each epoch's metrics, and stop
+    training when the pruner says so (the trial then ends normally, recorded as pruned)."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
+        if trial.report(epoch + 1, **logs):
+            state.stop_training = True
 
 
 class ProgressBar(Callback):

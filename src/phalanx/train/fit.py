@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from phalanx import elastic
+from phalanx import elastic, tune
 from phalanx.comm import runtime
 from phalanx.data import DistributedLoader
 from phalanx.sharding import mix_seed
@@ -276,6 +276,8 @@ def _callbacks(lr_schedule: Schedule | None, user: Sequence[Any], verbose: int, 
     chosen: list[Any] = list(user)
     if verbose:
         chosen.append(cb.ProgressBar(global_batch_size))
+    if tune.active():
+        chosen.append(cb.TuneReport())
     log_dir = log_dir or checkpoint_dir
     if log_dir is not None:
         chosen.append(cb.CSVLogger(Path(log_dir) / "metrics.csv"))

@@ -1,0 +1,122 @@
+"""``phalanx tune``: a hyperparameter search whose trials are ``phalanx run`` jobs, on Optuna.
+
+    phalanx tune -j 2 -n 1 --space space.json --trials 8 train.py --epochs 5
+    phalanx tune --report tune-train
+
+Everything after the script belongs to the script. Running the same command again continues the
+study (trials interrupted by a kill run again); several hosts share a study through ``--storage``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from phalanx.errors import ConfigurationError
+from phalanx.tune import results, runner, space as spaces, study as studies
+from phalanx.tune.storage import journal_url, load_study
+
+SEARCH_FILE = "search.json"
+
+DESCRIPTION = """\
+Run T trials of a script, J at a time, each a `phalanx run -n P` job in its own folder under the
+study directory (output in its log.txt). The script reads its parameters with
+`px.tune.params(name=default, ...)`; px.fit reports its epoch metrics and stops when pruned, and
+custom loops call `px.tune.report(step, **metrics)`. At the end: DIR/trials.csv, the best trial,
+and plots (metric against each parameter, runtime per trial, learning curves)."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentParser, frozenset[str]]:
+    """Add ``tune`` to the ``phalanx`` command line; return it and its options that take a value."""
+    tune = commands.add_parser("tune", help="run a hyperparameter search of trials launched like `phalanx run`",
+                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                               allow_abbrev=False)
+    value_options = []
+
+    def option(*flags: str, **kwargs: object) -> None:
+        tune.add_argument(*flags, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("action") is None:
+            value_options.extend(flags)
+
+    option("-j", "--jobs", type=int, default=1, metavar="J", help="trials at a time (default 1)")
+    option("-n", "--nproc-per-node", type=int, default=1, metavar="P", help="workers per trial (default 1)")
+    option("--space", metavar="FILE", help="the search space, JSON or YAML (phalanx's or Comet's format)")
+    option("--trials", type=int, metavar="T", help="trials the study ends with")
+    option("--sampler", choices=studies.SAMPLERS, help="default: the space file's algorithm, else tpe")
+    option("--metric", metavar="NAME", help="what to optimise (default: the space file's, else val_loss)")
+    option("--direction", choices=("minimize", "maximize"), help="default: the space file's, else minimize")
+    option("--pruner", choices=studies.PRUNERS, default="median", help="stop poor trials early (default median)")
+    option("--study-dir", metavar="DIR", help="where trials, logs and results go (default ./tune-SCRIPT)")
+    option("--storage", metavar="URL", help="an Optuna storage URL shared by several hosts (default: a journal file "
+                                            "in the study directory)")
+    option("--study", metavar="NAME", help="the study's name (default: the script's name)")
+    option("--timeout", type=float, metavar="SECONDS", help="start no trial after this long")
+    option("--seed", type=int, metavar="N", help="seed of the sampler")
+    option("--report", metavar="DIR", help="print and draw the results of the study in DIR again, and exit")
+    tune.add_argument("target", nargs="?", metavar="script.py", help="the script each trial runs")
+    tune.add_argument("args", nargs="*", metavar="args", help="arguments passed to the script unchanged")
+    return tune, frozenset(value_options)
+
+
+def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
+    """``phalanx tune`` after parsing: configuration errors come before any trial starts."""
+    if namespace.report:
+        return _report(Path(namespace.report))
+    search, job, directory = _configure(namespace, script_args)
+    study = studies.open_study(search)
+    _remember(directory, search)
+    taken = studies.take_over_interrupted(study)
+    if taken:
+        print(f"phalanx tune: trial(s) {taken} were interrupted; their parameters run again", flush=True)
+    done = len(studies.counted(study))
+    print(f"phalanx tune: study {search.name!r} in {search.storage}: {done} of {search.trials} trials done", flush=True)
+    runner.warn_oversubscription(namespace.jobs, job.workers, os.cpu_count(), lambda line: print(line, flush=True))
+    runner.Runner(search, study, job, namespace.jobs, directory, namespace.timeout).run()
+    for line in results.write(study, directory, search.metric):
+        print(line, flush=True)
+    return 0
+
+
+def _configure(namespace: argparse.Namespace, script_args: Sequence[str]) -> tuple[studies.Search, runner.Job, Path]:
+    if not namespace.target:
+        raise ConfigurationError("nothing to tune: give the script, `phalanx tune --space S --trials T train.py`.")
+    script = Path(namespace.target).resolve()
+    if not script.is_file():
+        raise ConfigurationError(f"script {namespace.target!r} not found (from {os.getcwd()}).")
+    if namespace.space is None or namespace.trials is None:
+        raise ConfigurationError("--space FILE and --trials T are required.")
+    for flag, value in (("--trials", namespace.trials), ("-j", namespace.jobs), ("-n", namespace.nproc_per_node)):
+        if value < 1:
+            raise ConfigurationError(f"{flag} must be at least 1, got {value}.")
+    space = spaces.load(namespace.space)
+    directory = Path(namespace.study_dir or f"tune-{script.stem}").resolve()
+    search = studies.Search(
+        space=space, storage=namespace.storage or journal_url(directory), name=namespace.study or script.stem,
+        trials=namespace.trials, metric=namespace.metric or space.metric or "val_loss",
+        direction=namespace.direction or space.direction or "minimize",
+        sampler=namespace.sampler or space.sampler or "tpe", pruner=namespace.pruner, seed=namespace.seed)
+    if search.sampler == "grid":
+        space.grid()  # every parameter must have finite values: say so before anything is created
+    return search, runner.Job(script, tuple(script_args), namespace.nproc_per_node), directory
+
+
+def _remember(directory: Path, search: studies.Search) -> None:
+    """What ``--report DIR`` needs to find the study again."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / SEARCH_FILE).write_text(json.dumps(
+        {"storage": search.storage, "study": search.name, "metric": search.metric}, indent=2) + "\n")
+
+
+def _report(directory: Path) -> int:
+    try:
+        saved = json.loads((directory / SEARCH_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigurationError(f"--report {directory}: no readable {SEARCH_FILE} there ({error}); give the "
+                                 "--study-dir of a search.") from None
+    study = load_study(saved["storage"], saved["study"])
+    for line in results.write(study, directory, saved["metric"]):
+        print(line, flush=True)
+    return 0

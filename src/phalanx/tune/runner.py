@@ -1,0 +1,174 @@
+"""Running the trials of a search: J at a time, each a ``phalanx run -n P`` job in its own folder.
+
+Each trial runs the user's script under the launcher with the trial's id in its environment
+(see :mod:`phalanx.tune.trial`); its output goes to ``log.txt`` in its folder. When the job ends,
+the runner tells the study how: pruned (the script was told to stop), complete (the value is the
+metric's last report), or failed with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from phalanx.lifetime import die_with_parent
+from phalanx.tune import study as studies
+from phalanx.tune.study import Search
+from phalanx.tune.trial import CURVE_ATTR, METRIC_ENV, PRUNED_ATTR, PRUNER_ENV, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
+
+ERROR_TAIL_LINES = 20
+LAUNCH_KEYS = ("PHALANX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC_")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """How every trial is launched: ``phalanx run -n workers [launcher_args] script args``."""
+
+    script: Path
+    args: tuple[str, ...]
+    workers: int
+    launcher_args: tuple[str, ...] = ()
+
+
+class Runner:
+    """Runs trials of ``study`` until ``search.trials`` of them count, ``jobs`` at a time."""
+
+    def __init__(self, search: Search, study: optuna.Study, job: Job, jobs: int, directory: Path,
+                 timeout_s: float | None = None, out: Callable[[str], None] | None = None):
+        self.search, self.study, self.job, self.jobs, self.directory = search, study, job, jobs, directory
+        self.deadline = time.monotonic() + timeout_s if timeout_s else None
+        self.say = out or (lambda line: print(line, flush=True))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._processes: dict[int, subprocess.Popen[bytes]] = {}  # trial id -> its launcher
+
+    def run(self) -> None:
+        """Run to the end; Ctrl-C stops every trial (they are taken over when the search starts again)."""
+        threads = [threading.Thread(target=self._loop, name=f"phalanx-tune-{k}", daemon=True) for k in range(self.jobs)]
+        for thread in threads:
+            thread.start()
+        try:
+            while any(thread.is_alive() for thread in threads):
+                with self._lock:
+                    studies.mark_alive(self.study, list(self._processes))
+                for thread in threads:
+                    thread.join(studies.ALIVE_EVERY_S / len(threads))
+        except KeyboardInterrupt:
+            self._stop.set()
+            self._kill_all()
+            raise
+
+    def _loop(self) -> None:
+        while not self._stop.is_set() and not self._past_deadline():
+            started = self._start_next()
+            if started is None:
+                return
+            trial, params = started
+            self._finish(trial, params, self._launch(trial))
+
+    def _start_next(self) -> tuple[optuna.Trial, dict] | None:
+        """Ask for a trial unless enough are counted or running; None when this runner is done."""
+        with self._lock:
+            if len(studies.counted(self.study)) + len(studies.running(self.study)) >= self.search.trials:
+                return None
+            trial = self.study.ask()
+            if not studies.claim(self.study, trial, self.search.trials):
+                return None
+            params = self.search.space.suggest(trial)
+        self.say(f"trial {trial.number} started: {_format(params)}")
+        return trial, params
+
+    def _launch(self, trial: optuna.Trial) -> int:
+        folder = self.directory / "trials" / f"{trial.number:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "phalanx", "run", "-n", str(self.job.workers), *self.job.launcher_args,
+                   str(self.job.script), *self.job.args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_KEYS)}
+        env.update({STORAGE_ENV: self.search.storage, STUDY_ENV: self.search.name, TRIAL_ENV: str(trial._trial_id),
+                    METRIC_ENV: self.search.metric, PRUNER_ENV: self.search.pruner})
+        with open(folder / "log.txt", "wb") as log:
+            process = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True,
+                                       preexec_fn=die_with_parent(os.getpid()))  # a killed search stops its trials
+            with self._lock:
+                self._processes[trial._trial_id] = process
+            code = process.wait()
+            with self._lock:
+                self._processes.pop(trial._trial_id, None)
+        return code
+
+    def _finish(self, trial: optuna.Trial, params: dict, code: int) -> None:
+        """Tell the study how the trial ended (unless the search is being stopped: it stays running)."""
+        if self._stop.is_set():
+            return
+        frozen = self.study._storage.get_trial(trial._trial_id)
+        curve = frozen.user_attrs.get(CURVE_ATTR, {})
+        log = self.directory / "trials" / f"{trial.number:04d}" / "log.txt"
+        if PRUNED_ATTR in frozen.user_attrs:
+            self.study.tell(trial, state=TrialState.PRUNED)
+            self.say(f"trial {trial.number} pruned at step {frozen.user_attrs[PRUNED_ATTR]}")
+        elif code == 0 and _last(curve, self.search.metric) is not None:
+            value = _last(curve, self.search.metric)
+            self.study.tell(trial, value)
+            self.say(f"trial {trial.number} complete: {self.search.metric} {value:.6g}")
+        else:
+            why = (f"exit code {code}" if code else
+                   f"the script never reported {self.search.metric!r} (px.fit reports its epoch metrics; "
+                   "px.tune.report(step, **metrics) in a custom loop)")
+            studies.record_error(self.study, trial, f"{why}\n{_tail(log)}")
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.say(f"trial {trial.number} failed ({why}); its log: {log}")
+
+    def _kill_all(self) -> None:
+        with self._lock:
+            processes = list(self._processes.values())
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+
+def _last(curve: dict[str, dict[str, float]], metric: str) -> float | None:
+    steps = sorted((int(step) for step, metrics in curve.items() if metric in metrics))
+    return curve[str(steps[-1])][metric] if steps else None
+
+
+def _tail(path: Path, lines: int = ERROR_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _format(params: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def warn_oversubscription(jobs: int, workers: int, cores: int | None, say: Callable[[str], None]) -> None:
+    """J x P processes beyond the cores: say what it costs."""
+    if cores and jobs * workers > cores:
+        say(f"phalanx tune: warning: {jobs} trials x {workers} workers = {jobs * workers} processes on {cores} cores: "
+            f"each trial runs about {jobs * workers / cores:.1f}x slower than alone, and its runtime says so; "
+            f"-j {max(1, cores // workers)} keeps one core per worker.")

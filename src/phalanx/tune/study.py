@@ -1,0 +1,163 @@
+"""The study of a search: opening it (again), counting its trials, and taking over interrupted ones.
+
+A search of T trials is done when T of its trials *count*: completed, pruned, or failed on their
+own (a crash). Trials that were running when their search was killed are failed with a mark and
+their parameters queued again, so a search started again completes exactly T trials and runs
+none twice. Several ``phalanx tune`` processes may share one study (one per host, on a database
+URL): each runner marks its running trials alive every few seconds, and only trials whose runner
+is gone (same host: its process is dead; elsewhere: no sign of life for a minute) are taken over.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from phalanx.errors import ConfigurationError
+from phalanx.tune.space import Space
+from phalanx.tune.storage import open_storage
+
+RUNNER_ATTR, ALIVE_ATTR, INTERRUPTED_ATTR, SURPLUS_ATTR, ERROR_ATTR = (
+    "phalanx_runner", "phalanx_alive", "phalanx_interrupted", "phalanx_surplus", "phalanx_error")
+ALIVE_EVERY_S = 5.0
+STALE_AFTER_S = 60.0
+SAMPLERS = ("random", "grid", "tpe")
+PRUNERS = ("median", "none")
+
+
+@dataclass(frozen=True)
+class Search:
+    """What ``phalanx tune`` was asked for (the command line over the space file)."""
+
+    space: Space
+    storage: str
+    name: str
+    trials: int
+    metric: str
+    direction: str
+    sampler: str
+    pruner: str
+    seed: int | None = None
+
+
+def open_study(search: Search) -> optuna.Study:
+    """Create the study, or open it again with the same direction."""
+    study = optuna.create_study(storage=open_storage(search.storage), study_name=search.name,
+                                direction=search.direction, sampler=_sampler(search), pruner=pruner(search.pruner),
+                                load_if_exists=True)
+    wanted = optuna.study.StudyDirection.MAXIMIZE if search.direction == "maximize" else \
+        optuna.study.StudyDirection.MINIMIZE
+    if study.direction != wanted:
+        raise ConfigurationError(f"study {search.name!r} already exists with direction {study.direction.name.lower()}; "
+                                 f"pass --direction {study.direction.name.lower()} or another --study name.")
+    if "metric" not in study.user_attrs:
+        study.set_user_attr("metric", search.metric)
+        study.set_user_attr("parameters", list(search.space.names))
+    return study
+
+
+def _sampler(search: Search) -> optuna.samplers.BaseSampler:
+    if search.sampler == "grid":
+        return optuna.samplers.GridSampler(search.space.grid(), seed=search.seed)
+    if search.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=search.seed)
+    return optuna.samplers.RandomSampler(seed=search.seed)
+
+
+def pruner(name: str) -> optuna.pruners.BasePruner:
+    """``median``: stop a trial whose metric is worse than the median of earlier trials at the same
+    step, once two trials finished and from its second report on."""
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+    return optuna.pruners.NopPruner()
+
+
+def counts(trial: FrozenTrial) -> bool:
+    """Whether ``trial`` is one of the search's T: finished, and neither interrupted nor surplus."""
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    return trial.state == TrialState.FAIL and not (
+        trial.system_attrs.get(INTERRUPTED_ATTR) or trial.system_attrs.get(SURPLUS_ATTR))
+
+
+def counted(study: optuna.Study) -> list[FrozenTrial]:
+    return [trial for trial in study.get_trials(deepcopy=False) if counts(trial)]
+
+
+def running(study: optuna.Study) -> list[FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if not t.system_attrs.get(SURPLUS_ATTR)]
+
+
+def runner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def take_over_interrupted(study: optuna.Study) -> list[int]:
+    """Fail the running trials whose runner is gone and queue their parameters again; their numbers."""
+    taken = []
+    for trial in running(study):
+        if _runner_gone(trial):
+            study._storage.set_trial_system_attr(trial._trial_id, INTERRUPTED_ATTR, True)
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            study.enqueue_trial(trial.params, skip_if_exists=False)
+            taken.append(trial.number)
+    return taken
+
+
+def _runner_gone(trial: FrozenTrial) -> bool:
+    runner = trial.system_attrs.get(RUNNER_ATTR, "")
+    host, _, pid = runner.rpartition(":")
+    if host == socket.gethostname() and pid.isdigit():
+        return not _process_alive(int(pid))
+    alive = trial.system_attrs.get(ALIVE_ATTR, 0.0)
+    return time.time() - float(alive) > STALE_AFTER_S
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(study: optuna.Study, trial: optuna.Trial, total: int) -> bool:
+    """Mark ``trial`` as this runner's; False (and the trial set aside) when T trials are already
+    counted or running, which happens when several runners ask at the same moment."""
+    storage = study._storage
+    storage.set_trial_system_attr(trial._trial_id, RUNNER_ATTR, runner_id())
+    storage.set_trial_system_attr(trial._trial_id, ALIVE_ATTR, time.time())
+    before = [t for t in study.get_trials(deepcopy=False) if t.number < trial.number
+              and (counts(t) or (t.state == TrialState.RUNNING and not t.system_attrs.get(SURPLUS_ATTR)))]
+    if len(before) < total:
+        return True
+    storage.set_trial_system_attr(trial._trial_id, SURPLUS_ATTR, True)
+    study.tell(trial, state=TrialState.FAIL)
+    if trial.params:  # queued parameters (an interrupted trial's) go back for the runner that needs them
+        study.enqueue_trial(trial.params, skip_if_exists=False)
+    return False
+
+
+def mark_alive(study: optuna.Study, trial_ids: list[int]) -> None:
+    for trial_id in trial_ids:
+        study._storage.set_trial_system_attr(trial_id, ALIVE_ATTR, time.time())
+
+
+def record_error(study: optuna.Study, trial: optuna.Trial, message: str) -> None:
+    study._storage.set_trial_system_attr(trial._trial_id, ERROR_ATTR, message)
+
+
+def summary(trial: FrozenTrial) -> dict[str, Any]:
+    """A trial as the report shows it."""
+    duration = trial.duration.total_seconds() if trial.duration is not None else float("nan")
+    return {"number": trial.number, "state": trial.state.name, "value": trial.value, **trial.params,
+            "duration_s": duration}

@@ -1,0 +1,139 @@
+"""``phalanx tune`` end to end: trials as phalanx run jobs, results, continuing, sharing, pruning."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.tune.storage import journal_url, load_study
+from phalanx.tune.study import INTERRUPTED_ATTR, counted
+from tests.cli.test_launcher import worker_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
+
+HERE = Path(__file__).parent
+SPACE = {"x": {"type": "float", "low": -5, "high": 5}, "y": {"type": "categorical", "values": [0, 1, 10]}}
+
+
+def tune_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "phalanx", "tune", *args]
+
+
+def tune(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+         timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(tune_command(*args), cwd=tmp_path, env=env or worker_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def write_space(tmp_path: Path, space: dict = SPACE, name: str = "space.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(space))
+    return str(path)
+
+
+def rows(directory: Path) -> list[dict[str, str]]:
+    with open(directory / "trials.csv") as table:
+        return list(csv.DictReader(table))
+
+
+def test_trials_run_two_at_a_time_and_leave_results(tmp_path: Path) -> None:
+    space = write_space(tmp_path)
+    done = tune(tmp_path, "-j", "2", "--space", space, "--trials", "4", "--metric", "loss", "--seed", "1",
+                str(HERE / "objective.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    directory = tmp_path / "tune-objective"
+    table = rows(directory)
+    assert [row["number"] for row in table] == ["0", "1", "2", "3"] and {row["state"] for row in table} == {"COMPLETE"}
+    for row in table:  # the value is the last report of the trial's own parameters
+        assert float(row["value"]) == pytest.approx((float(row["x"]) - 2) ** 2 + int(row["y"]) + 1 / 3)
+        assert Path(row["log"]).read_text().startswith("[0] objective")
+    best = min(table, key=lambda row: float(row["value"]))
+    assert f"best trial {best['number']}: loss" in done.stdout
+    for plot in ("metric_vs_x.png", "metric_vs_y.png", "runtime.png", "learning_curves.png"):
+        assert (directory / plot).stat().st_size > 1000, plot
+    again = tune(tmp_path, "--report", str(directory))
+    assert again.returncode == 0 and f"best trial {best['number']}" in again.stdout
+
+
+def test_a_crashing_trial_is_failed_with_its_error_and_the_search_goes_on(tmp_path: Path) -> None:
+    space = write_space(tmp_path, {"x": {"type": "float", "low": 0, "high": 1},
+                                   "crash": {"type": "categorical", "values": [0, 1]}})
+    done = tune(tmp_path, "--space", space, "--trials", "4", "--metric", "loss", "--sampler", "grid",
+                "--pruner", "none", "--study-dir", "out", str(HERE / "objective.py"))
+    assert done.returncode == 2 and "grid search needs finite values" in done.stderr  # checked before any trial
+    assert not (tmp_path / "out").exists()
+    space = write_space(tmp_path, {"crash": {"type": "categorical", "values": [0, 1]}})
+    done = tune(tmp_path, "--space", space, "--trials", "2", "--metric", "loss", "--sampler", "grid",
+                "--study-dir", "out", str(HERE / "objective.py"))
+    assert done.returncode == 0, done.stderr
+    table = {row["crash"]: row for row in rows(tmp_path / "out")}
+    assert table["0"]["state"] == "COMPLETE"
+    assert table["1"]["state"] == "FAIL" and table["1"]["error"] == "exit code 1"
+    study = load_study(journal_url(tmp_path / "out"), "objective")
+    failed = [t for t in study.trials if t.state.name == "FAIL"][0]
+    assert "this trial crashes on purpose" in failed.system_attrs["phalanx_error"]
+
+
+def test_a_killed_search_started_again_completes_exactly_t_trials(tmp_path: Path) -> None:
+    space = write_space(tmp_path)
+    command = tune_command("--space", space, "--trials", "3", "--metric", "loss", "--pruner", "none",
+                           str(HERE / "objective.py"))
+    env = worker_env(OBJECTIVE_SLEEP="0.7")
+    search = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    seen = []
+    for line in search.stdout:
+        seen.append(line)
+        if line.startswith("trial 1 started"):
+            break
+    time.sleep(1.0)  # trial 1 is running
+    os.kill(search.pid, signal.SIGKILL)
+    search.wait()
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trial(s) [1] were interrupted" in done.stdout, done.stdout
+    study = load_study(journal_url(tmp_path / "tune-objective"), "objective")
+    finished = counted(study)
+    assert len(finished) == 3 and all(t.state.name == "COMPLETE" for t in finished)
+    interrupted = [t for t in study.trials if t.system_attrs.get(INTERRUPTED_ATTR)]
+    assert [t.number for t in interrupted] == [1]
+    params = [tuple(sorted(t.params.items())) for t in finished]
+    assert len(set(params)) == 3 and params.count(tuple(sorted(interrupted[0].params.items()))) == 1
+    assert len(rows(tmp_path / "tune-objective")) == 3
+
+
+def test_two_searches_share_one_study(tmp_path: Path) -> None:
+    space = write_space(tmp_path)
+    storage = journal_url(tmp_path / "shared")
+    env = worker_env(OBJECTIVE_SLEEP="0.3")
+    searches = [subprocess.Popen(tune_command("--space", space, "--trials", "5", "--metric", "loss", "--storage",
+                                              storage, "--study-dir", f"host{k}", str(HERE / "objective.py")),
+                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for k in range(2)]
+    outputs = [search.communicate(timeout=180)[0] for search in searches]
+    assert [search.returncode for search in searches] == [0, 0], outputs
+    study = load_study(storage, "objective")
+    finished = counted(study)
+    assert len(finished) == 5
+    assert all(sum(f"trial {t.number} complete" in out for out in outputs) == 1 for t in finished)
+    assert all("trial" in out and "started" in out for out in outputs)  # both ran trials
+
+
+def test_a_trial_bad_from_the_start_is_pruned_before_its_last_epoch(tmp_path: Path) -> None:
+    space = write_space(tmp_path, {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}})
+    done = tune(tmp_path, "--space", space, "--trials", "3", "--metric", "val_loss", str(HERE / "fit_trial.py"),
+                timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = rows(tmp_path / "tune-fit_trial")
+    assert [row["state"] for row in table] == ["COMPLETE", "COMPLETE", "PRUNED"], table
+    log = Path(table[2]["log"]).read_text()
+    trained = int(log.split("epochs trained")[1].split()[0])
+    assert trained < 5, log
