@@ -4,7 +4,8 @@
     python examples/digits.py                  # one worker: the same result
 
 The global batch is 64 whatever the number of workers; each worker takes its share of every
-batch, and gradients are averaged during backward.
+batch, and gradients are averaged during backward. Under `phalanx tune` the batch size, the
+learning rate and its rule come from the trial (see examples/batch_size_study.py).
 """
 
 import argparse
@@ -20,6 +21,8 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=20)
 parser.add_argument("--global-batch-size", type=int, default=64)
 parser.add_argument("--lr", type=float, default=2e-3, help="learning rate for a batch of 64")
+parser.add_argument("--lr-rule", choices=("linear", "constant"), default="linear",
+                    help="scale the learning rate with the batch size (linear), or keep it (constant)")
 parser.add_argument("--checkpoint-dir", default=None)
 args = parser.parse_args()
 
@@ -39,14 +42,15 @@ model = nn.Sequential(
     nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
     nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10),
 )
-lr = px.scale_lr(args.lr, args.global_batch_size, base_batch_size=64)
+hp = px.tune.params(global_batch_size=args.global_batch_size, lr=args.lr, lr_rule=args.lr_rule)
+lr = px.scale_lr(hp["lr"], hp["global_batch_size"], base_batch_size=64) if hp["lr_rule"] == "linear" else hp["lr"]
 optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
 history = px.fit(
     model, optimizer, F.cross_entropy, (images[train], labels[train]),
     val_data=(images[val], labels[val]),
     epochs=args.epochs,
-    global_batch_size=args.global_batch_size,
+    global_batch_size=hp["global_batch_size"],
     metrics=["accuracy"],
     lr_schedule=px.lr.warmup(px.lr.cosine(lr, args.epochs), epochs=1),
     checkpoint_dir=args.checkpoint_dir,

@@ -77,3 +77,14 @@ def test_unreadable_files(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigurationError, match="not valid JSON"):
         spaces.load(tmp_path / "bad.json")
+
+
+def test_more_processes_than_cores_is_warned_with_its_cost() -> None:
+    from phalanx.tune.runner import warn_oversubscription
+
+    said: list[str] = []
+    warn_oversubscription(2, 2, 2, said.append)
+    assert said and "4 processes on 2 cores" in said[0] and "2.0x slower" in said[0] and "-j 1" in said[0]
+    said.clear()
+    warn_oversubscription(2, 1, 2, said.append)
+    assert said == []

@@ -15,9 +15,13 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from typing import TYPE_CHECKING
+
 from phalanx.errors import ConfigurationError
-from phalanx.tune import results, runner, space as spaces, study as studies
-from phalanx.tune.storage import journal_url, load_study
+from phalanx.tune import PRUNERS, SAMPLERS
+
+if TYPE_CHECKING:  # Optuna is imported when a search runs, not by every `phalanx run`
+    from phalanx.tune import runner, study as studies
 
 SEARCH_FILE = "search.json"
 
@@ -45,10 +49,10 @@ def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentP
     option("-n", "--nproc-per-node", type=int, default=1, metavar="P", help="workers per trial (default 1)")
     option("--space", metavar="FILE", help="the search space, JSON or YAML (phalanx's or Comet's format)")
     option("--trials", type=int, metavar="T", help="trials the study ends with")
-    option("--sampler", choices=studies.SAMPLERS, help="default: the space file's algorithm, else tpe")
+    option("--sampler", choices=SAMPLERS, help="default: the space file's algorithm, else tpe")
     option("--metric", metavar="NAME", help="what to optimise (default: the space file's, else val_loss)")
     option("--direction", choices=("minimize", "maximize"), help="default: the space file's, else minimize")
-    option("--pruner", choices=studies.PRUNERS, default="median", help="stop poor trials early (default median)")
+    option("--pruner", choices=PRUNERS, default="median", help="stop poor trials early (default median)")
     option("--study-dir", metavar="DIR", help="where trials, logs and results go (default ./tune-SCRIPT)")
     option("--storage", metavar="URL", help="an Optuna storage URL shared by several hosts (default: a journal file "
                                             "in the study directory)")
@@ -63,6 +67,11 @@ def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentP
 
 def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
     """``phalanx tune`` after parsing: configuration errors come before any trial starts."""
+    import optuna
+
+    from phalanx.tune import results, runner, study as studies
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # phalanx says what happens, trial by trial
     if namespace.report:
         return _report(Path(namespace.report))
     search, job, directory = _configure(namespace, script_args)
@@ -80,7 +89,11 @@ def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
     return 0
 
 
-def _configure(namespace: argparse.Namespace, script_args: Sequence[str]) -> tuple[studies.Search, runner.Job, Path]:
+def _configure(namespace: argparse.Namespace,
+               script_args: Sequence[str]) -> tuple["studies.Search", "runner.Job", Path]:
+    from phalanx.tune import runner, space as spaces, study as studies
+    from phalanx.tune.storage import journal_url
+
     if not namespace.target:
         raise ConfigurationError("nothing to tune: give the script, `phalanx tune --space S --trials T train.py`.")
     script = Path(namespace.target).resolve()
@@ -103,7 +116,7 @@ def _configure(namespace: argparse.Namespace, script_args: Sequence[str]) -> tup
     return search, runner.Job(script, tuple(script_args), namespace.nproc_per_node), directory
 
 
-def _remember(directory: Path, search: studies.Search) -> None:
+def _remember(directory: Path, search: "studies.Search") -> None:
     """What ``--report DIR`` needs to find the study again."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / SEARCH_FILE).write_text(json.dumps(
@@ -111,6 +124,9 @@ def _remember(directory: Path, search: studies.Search) -> None:
 
 
 def _report(directory: Path) -> int:
+    from phalanx.tune import results
+    from phalanx.tune.storage import load_study
+
     try:
         saved = json.loads((directory / SEARCH_FILE).read_text())
     except (OSError, ValueError) as error:

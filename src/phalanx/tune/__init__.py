@@ -6,4 +6,7 @@ search itself (space, study, runner, report) is only imported by ``phalanx tune`
 
 from phalanx.tune.trial import active, params, report
 
-__all__ = ["active", "params", "report"]
+SAMPLERS = ("random", "grid", "tpe")
+PRUNERS = ("median", "none")
+
+__all__ = ["PRUNERS", "SAMPLERS", "active", "params", "report"]

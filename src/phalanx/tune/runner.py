@@ -118,19 +118,28 @@ class Runner:
         curve = frozen.user_attrs.get(CURVE_ATTR, {})
         log = self.directory / "trials" / f"{trial.number:04d}" / "log.txt"
         if PRUNED_ATTR in frozen.user_attrs:
-            self.study.tell(trial, state=TrialState.PRUNED)
+            self._tell(trial, state=TrialState.PRUNED)
             self.say(f"trial {trial.number} pruned at step {frozen.user_attrs[PRUNED_ATTR]}")
         elif code == 0 and _last(curve, self.search.metric) is not None:
             value = _last(curve, self.search.metric)
-            self.study.tell(trial, value)
+            self._tell(trial, value)
             self.say(f"trial {trial.number} complete: {self.search.metric} {value:.6g}")
         else:
             why = (f"exit code {code}" if code else
                    f"the script never reported {self.search.metric!r} (px.fit reports its epoch metrics; "
                    "px.tune.report(step, **metrics) in a custom loop)")
             studies.record_error(self.study, trial, f"{why}\n{_tail(log)}")
-            self.study.tell(trial, state=TrialState.FAIL)
+            self._tell(trial, state=TrialState.FAIL)
             self.say(f"trial {trial.number} failed ({why}); its log: {log}")
+
+    def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
+        """``study.tell``; the grid sampler's request to stop once its grid is covered is not an error
+        here (this runner stops by counting trials), and the state is recorded either way."""
+        try:
+            self.study.tell(trial, value, state=state)
+        except RuntimeError as error:
+            if "Study.stop" not in str(error):
+                raise
 
     def _kill_all(self) -> None:
         with self._lock:

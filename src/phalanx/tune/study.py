@@ -27,8 +27,6 @@ RUNNER_ATTR, ALIVE_ATTR, INTERRUPTED_ATTR, SURPLUS_ATTR, ERROR_ATTR = (
     "phalanx_runner", "phalanx_alive", "phalanx_interrupted", "phalanx_surplus", "phalanx_error")
 ALIVE_EVERY_S = 5.0
 STALE_AFTER_S = 60.0
-SAMPLERS = ("random", "grid", "tpe")
-PRUNERS = ("median", "none")
 
 
 @dataclass(frozen=True)
