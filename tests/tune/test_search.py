@@ -47,7 +47,7 @@ def rows(directory: Path) -> list[dict[str, str]]:
 def test_trials_run_two_at_a_time_and_leave_results(tmp_path: Path) -> None:
     space = write_space(tmp_path)
     done = tune(tmp_path, "-j", "2", "--space", space, "--trials", "4", "--metric", "loss", "--seed", "1",
-                str(HERE / "objective.py"))
+                "--pruner", "none", str(HERE / "objective.py"))
     assert done.returncode == 0, done.stdout + done.stderr
     directory = tmp_path / "tune-objective"
     table = rows(directory)
@@ -114,8 +114,9 @@ def test_two_searches_share_one_study(tmp_path: Path) -> None:
     space = write_space(tmp_path)
     storage = journal_url(tmp_path / "shared")
     env = worker_env(OBJECTIVE_SLEEP="0.3")
-    searches = [subprocess.Popen(tune_command("--space", space, "--trials", "5", "--metric", "loss", "--storage",
-                                              storage, "--study-dir", f"host{k}", str(HERE / "objective.py")),
+    searches = [subprocess.Popen(tune_command("--space", space, "--trials", "5", "--metric", "loss", "--pruner", "none",
+                                              "--storage", storage, "--study-dir", f"host{k}",
+                                              str(HERE / "objective.py")),
                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for k in range(2)]
     outputs = [search.communicate(timeout=180)[0] for search in searches]

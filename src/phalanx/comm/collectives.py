@@ -18,7 +18,7 @@ from typing import Any, Callable, Generic, Iterator, Literal, Sequence, TypeVar,
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import runtime
+from phalanx.comm import algorithms, runtime
 from phalanx.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -98,26 +98,31 @@ def translate_errors(operation: str) -> Iterator[None]:
 
 @overload
 def allreduce(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
-              check: bool = ...) -> torch.Tensor: ...
+              check: bool = ..., algorithm: str = ...) -> torch.Tensor: ...
 @overload
 def allreduce(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
-              check: bool = ...) -> Handle[torch.Tensor]: ...
+              check: bool = ..., algorithm: str = ...) -> Handle[torch.Tensor]: ...
 def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
-              check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
-    """Reduce ``tensor`` over all ranks with ``op``; return the result as a new tensor."""
-    return _allreduce_into(tensor.clone(), op, async_op, check)
+              check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
+    """Reduce ``tensor`` over all ranks with ``op``; return the result as a new tensor.
+
+    ``algorithm`` is ``"backend"`` (torch.distributed's own: Gloo's ring, NCCL's choice) or one of
+    phalanx's over point-to-point messages, ``"ring"``, ``"tree"``, ``"halving_doubling"`` (see
+    :mod:`phalanx.comm.algorithms`; they run to completion before returning, also with ``async_op``).
+    """
+    return _allreduce_into(tensor.clone(), op, async_op, check, algorithm)
 
 
 @overload
 def allreduce_(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
-               check: bool = ...) -> torch.Tensor: ...
+               check: bool = ..., algorithm: str = ...) -> torch.Tensor: ...
 @overload
 def allreduce_(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
-               check: bool = ...) -> Handle[torch.Tensor]: ...
+               check: bool = ..., algorithm: str = ...) -> Handle[torch.Tensor]: ...
 def allreduce_(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
-               check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
+               check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
     """Like :func:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
-    return _allreduce_into(tensor, op, async_op, check)
+    return _allreduce_into(tensor, op, async_op, check, algorithm)
 
 
 @overload
@@ -330,16 +335,27 @@ def allgather_object(obj: Any, *, async_op: bool = False) -> list[Any] | Handle[
 
 
 REDUCE_OPS_INDEX = {name: index for index, name in enumerate(REDUCE_OPS)}
+ALLREDUCE_ALGORITHMS = ("backend", *algorithms.ALGORITHMS)
 
 
-def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool,
-                    check: bool) -> torch.Tensor | Handle[torch.Tensor]:
+def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
+                    algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
     reduce_op = _reduce_op(op, tensor)
-    if check:
-        _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
+    if algorithm not in ALLREDUCE_ALGORITHMS:
+        raise ConfigurationError(f"algorithm must be one of {list(ALLREDUCE_ALGORITHMS)}, got {algorithm!r}.")
+    if check:  # the algorithm is part of the record: ranks that disagree would exchange garbage
+        _check("allreduce", tensor, REDUCE_OPS_INDEX[op] + len(REDUCE_OPS) * ALLREDUCE_ALGORITHMS.index(algorithm))
     scale = _averaging(op, tensor)
-    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
-                   lambda: scale(tensor), async_op)
+    if algorithm == "backend":
+        return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
+                       lambda: scale(tensor), async_op)
+    if runtime.size() > 1:
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        with translate_errors(f"allreduce ({algorithm})"):
+            algorithms.allreduce(flat, op, algorithm, _group(tensor))
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+    return _done(scale(tensor), async_op)
 
 
 def _broadcast_into(tensor: torch.Tensor, root: int, async_op: bool,

@@ -1,0 +1,83 @@
+"""phalanx's own allreduce algorithms (ring, tree, recursive halving-doubling) give the backend's
+result, bitwise the same on every rank, for every op and dtype, odd sizes and empty tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.comm.algorithms import ALGORITHMS
+from phalanx.errors import CollectiveMismatchError
+from tests.harness import run_workers
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
+SIZES = (0, 1, 2, 3, 7, 1000, 4099)
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + numel)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=generator).to(dtype)
+    return torch.randint(1, 4, (numel,), generator=generator).to(dtype)
+
+
+def _reference(world: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    stacked = torch.stack([_input(r, numel, dtype).double() for r in range(world)])
+    reduced = {"sum": stacked.sum(0), "avg": stacked.mean(0), "min": stacked.min(0).values,
+               "max": stacked.max(0).values, "product": stacked.prod(0)}[op]
+    return reduced
+
+
+def _all_results() -> dict:
+    out = {}
+    for algorithm in ALGORITHMS:
+        for dtype in DTYPES:
+            for numel in SIZES:
+                for op in ("sum", "avg", "min", "max", "product"):
+                    if op == "avg" and not dtype.is_floating_point:
+                        continue
+                    tensor = _input(px.rank(), numel, dtype)
+                    out[(algorithm, dtype, numel, op)] = px.allreduce(tensor, op, algorithm=algorithm)
+        shaped = _input(px.rank(), 24, torch.float32).view(2, 3, 4).transpose(0, 2)  # not contiguous
+        out[(algorithm, "shaped")] = px.allreduce_(shaped, "sum", algorithm=algorithm)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_algorithm_op_dtype_and_size_gives_the_reference(world_size: int) -> None:
+    results = run_workers(_all_results, world_size)
+    for key, got in results[0].items():
+        for rank in range(1, world_size):
+            assert torch.equal(results[rank][key], got), (key, rank)  # bitwise the same everywhere
+        if key[1] == "shaped":
+            expected = sum(_input(r, 24, torch.float32) for r in range(world_size)).view(2, 3, 4).transpose(0, 2)
+            torch.testing.assert_close(got, expected)
+            assert got.shape == (4, 3, 2)
+            continue
+        algorithm, dtype, numel, op = key
+        expected = _reference(world_size, numel, dtype, op)
+        assert got.dtype == dtype and got.shape == (numel,)
+        if dtype.is_floating_point:
+            tolerance = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-5)
+            torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance, msg=str(key))
+        else:
+            assert torch.equal(got, expected.to(dtype)), key
+
+
+def _mismatched_algorithms() -> str:
+    try:
+        px.allreduce(torch.ones(8), algorithm="ring" if px.rank() == 0 else "tree")
+    except CollectiveMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_choosing_different_algorithms_get_a_mismatch_error() -> None:
+    messages = run_workers(_mismatched_algorithms, 2)
+    assert all("different" in message for message in messages), messages
+
+
+def test_an_unknown_algorithm_is_refused() -> None:
+    with pytest.raises(px.ConfigurationError, match="algorithm must be one of"):
+        px.allreduce(torch.ones(2), algorithm="butterfly")
