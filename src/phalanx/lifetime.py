@@ -41,3 +41,18 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
             os._exit(1)
 
     return setup_child
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host lives (a zombie awaiting its reaper counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -19,6 +19,7 @@ import pytest
 
 from phalanx.cli.config import WORKER_MAIN, LaunchConfig
 from phalanx.errors import ConfigurationError
+from phalanx.lifetime import is_alive
 from phalanx.cli.workers import describe_exit, exit_code_of, split_lines
 from phalanx.cli.main import build_parser, main, split_run_argv
 
@@ -63,20 +64,6 @@ def write_script(directory: Path, name: str, body: str) -> Path:
     path = directory / name
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def is_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie awaiting its reaper counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def assert_all_gone(pids: list[int], within_s: float = 5.0) -> None:
@@ -299,7 +286,7 @@ def test_worker_environment() -> None:
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "phalanx-1234",
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "GROUP_RANK": "1",
                 "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
-                "PHALANX_SERVERS": "0"}
+                "PHALANX_SERVERS": "0", "PHALANX_JOB_ID": str(os.getpid())}
     assert env == expected
     assert spec.command == (sys.executable, WORKER_MAIN, "t.py")
     assert LaunchConfig(target="t.py").worker_specs(1)[0].environment({})["OMP_NUM_THREADS"] == "1"

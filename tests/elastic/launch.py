@@ -127,17 +127,6 @@ def launched(*launches_args, **kwargs) -> Iterator[Launch]:
         job.kill()
 
 
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 @functools.lru_cache(maxsize=1)
 def reference() -> dict[str, torch.Tensor]:
     """The uninterrupted single-process run of the job (computed once per test session)."""

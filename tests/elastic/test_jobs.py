@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ip
-from tests.elastic.launch import assert_matches_reference, free_port, is_alive, launched
+from phalanx.lifetime import is_alive
+from tests.elastic.launch import assert_matches_reference, free_port, launched
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="elastic jobs are tested on Linux"),

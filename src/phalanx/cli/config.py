@@ -191,7 +191,7 @@ class LaunchConfig:
         variables = dict(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
                          PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0",
-                         PHALANX_SERVERS=str(self.num_servers))
+                         PHALANX_SERVERS=str(self.num_servers), PHALANX_JOB_ID=job_id())
         if self.timeout_s is not None:
             variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
         if not is_loopback(self.master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -272,6 +272,11 @@ class LaunchConfig:
                 f"script {self.target!r} not found (from {os.getcwd()}): check the path, "
                 "or pass -m to run a module by its dotted name."
             )
+
+
+def job_id() -> str:
+    """This launch's id on this host (the launcher's pid): names the workers' shared-memory segments."""
+    return str(os.getpid())
 
 
 def _check_module(name: str) -> None:

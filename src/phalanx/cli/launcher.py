@@ -23,8 +23,9 @@ import threading
 import time
 from typing import IO, Any, Iterator
 
-from phalanx.cli.config import LaunchConfig, WorkerSpec
+from phalanx.cli.config import LaunchConfig, WorkerSpec, job_id
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, connect_store, host_store
+from phalanx.comm import shm
 from phalanx.cli.workers import LaunchResult, OutputRelay, Worker, WorkerFailure, describe_exit
 
 BOARD_POLL_S = 0.25
@@ -64,6 +65,7 @@ class Supervisor:
                 result = self.watch()
             finally:
                 self.terminate_all()
+                shm.remove_job_segments(job_id())  # a worker killed before its segment was unlinked
                 self.leave_job()
         return result
 

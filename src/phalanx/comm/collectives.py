@@ -346,6 +346,9 @@ def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
     if check:  # the algorithm is part of the record: ranks that disagree would exchange garbage
         _check("allreduce", tensor, REDUCE_OPS_INDEX[op] + len(REDUCE_OPS) * ALLREDUCE_ALGORITHMS.index(algorithm))
     scale = _averaging(op, tensor)
+    executor = runtime.shm_executor()
+    if algorithm == "backend" and executor is not None and not tensor.is_cuda:
+        return _shm_allreduce(executor, tensor, op, scale, async_op)
     if algorithm == "backend":
         return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
                        lambda: scale(tensor), async_op)
@@ -356,6 +359,37 @@ def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
     return _done(scale(tensor), async_op)
+
+
+def _shm_allreduce(executor: Any, tensor: torch.Tensor, op: str, scale: Callable[[torch.Tensor], torch.Tensor],
+                   async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    """Through the host's shared memory, in the executor's order (see :mod:`phalanx.comm.shm`)."""
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+    def finish() -> torch.Tensor:
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return scale(tensor)
+
+    name = "allreduce (shared memory)"
+    if not async_op:
+        with translate_errors(name):
+            executor.run(flat, algorithms.combiner(op))
+        return finish()
+    return Handle(name, _FutureWork(executor.submit(flat, algorithms.combiner(op))), finish)
+
+
+class _FutureWork:
+    """A future as the work object a :class:`Handle` waits on."""
+
+    def __init__(self, future: Any):
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
 
 def _broadcast_into(tensor: torch.Tensor, root: int, async_op: bool,

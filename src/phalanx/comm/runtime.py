@@ -12,6 +12,8 @@ import dataclasses
 import datetime
 import logging
 import os
+import secrets
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import shm
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.membership import (
     ELASTIC_ENV,
@@ -35,6 +38,8 @@ from phalanx.errors import CollectiveTimeoutError, ConfigurationError
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "PHALANX_TIMEOUT"
+JOB_ENV = "PHALANX_JOB_ID"  # the launcher's: names this job's shared-memory segments
+TRANSPORTS = ("auto", "shm", "gloo")
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +57,21 @@ class _Runtime:
     generation: int = 0
     membership: Membership | None = None
     sockets: dict[str, int] = dataclasses.field(default_factory=dict)  # the group's connections
+    transport: str = "auto"
+    shm: shm.Executor | None = None  # allreduce through shared memory (all ranks on this host)
 
 
 _runtime: _Runtime | None = None
 
 
-def init(backend: str | None = None, timeout: float | None = None) -> None:
+def init(backend: str | None = None, timeout: float | None = None, transport: str = "auto") -> None:
     """Join the job this process was launched into. Calling it again does nothing.
 
     ``backend`` defaults to NCCL when CUDA is available and Gloo otherwise. ``timeout`` (seconds,
     default ``$PHALANX_TIMEOUT`` or 300) bounds the rendezvous and every collective.
+    ``transport``: ``"auto"`` reduces CPU tensors through shared memory when every worker is on
+    this host (Linux), ``"shm"`` insists on it, ``"gloo"`` keeps Gloo's sockets; see
+    :mod:`phalanx.comm.shm`.
     """
     global _runtime
     if _runtime is not None:
@@ -69,6 +79,8 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     info = detect()
     timeout_s = _resolve_timeout(timeout)
     backend = _resolve_backend(backend)
+    if transport not in TRANSPORTS:
+        raise ConfigurationError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}.")
     if info.role == "server":  # a parameter server meets the workers through the store only
         _runtime = _Runtime(info, timeout_s, "gloo", torch.device("cpu"), store=_connect_store(info, timeout_s))
         _shutdown_at_exit()
@@ -77,12 +89,12 @@ def init(backend: str | None = None, timeout: float | None = None) -> None:
     if dist.is_initialized():
         _runtime = _adopt_existing_group(info, timeout_s, device)
     elif _elastic_launch():
-        _runtime = _init_elastic(info, timeout_s, backend, device)
+        _runtime = _init_elastic(info, timeout_s, backend, device, transport)
     elif info.world_size == 1:  # no group; the store only where parameter servers wait for this worker
         _runtime = _Runtime(info, timeout_s, backend, device,
                             store=_connect_store(info, timeout_s) if info.num_servers else None)
     else:
-        _runtime = _create_group(info, timeout_s, backend, device)
+        _runtime = _create_group(info, timeout_s, backend, device, transport=transport)
     _shutdown_at_exit()
 
 
@@ -108,6 +120,8 @@ def _shutdown(done: bool) -> None:
         _elastic = None
     if not done and _runtime is not None:
         shutdown_sockets(_runtime.sockets)
+    if _runtime is not None and _runtime.shm is not None:
+        _runtime.shm.close()
     if _runtime is not None and _runtime.store is not None and dist.is_initialized():
         dist.destroy_process_group()
     _runtime = None
@@ -225,6 +239,11 @@ def group_for(tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
     return runtime.cpu_group
 
 
+def shm_executor() -> shm.Executor | None:
+    """The shared-memory allreduce of this group, when its transport is shared memory."""
+    return _runtime.shm if _runtime else None
+
+
 def store() -> Any:
     """The rendezvous key-value store shared by all workers (``None`` in a world of one)."""
     return _require_runtime().store
@@ -289,7 +308,7 @@ def _connect_store(info: LaunchInfo, timeout_s: float) -> Any:
 
 
 def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device,
-                  store: Any = None, generation: int = 0) -> _Runtime:
+                  store: Any = None, generation: int = 0, transport: str = "auto") -> _Runtime:
     if info.master_addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = _connect_store(info, timeout_s) if store is None else store
@@ -311,8 +330,58 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
             f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
         ) from error
     sockets = {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
+    executor = _open_shm(info, store, generation, transport, backend, timeout_s)
     return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
-                    sockets=sockets)
+                    sockets=sockets, transport=transport, shm=executor)
+
+
+def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, backend: str,
+              timeout_s: float) -> shm.Executor | None:
+    """Map this generation's segment when the transport allows it and every rank shares this host.
+
+    Rank 0 creates it, the others map it, and once all have (a barrier) rank 0 removes its name.
+    """
+    if transport == "gloo":
+        return None
+    hosts = _hosts(info, store, generation)
+    why_not = ("the backend is NCCL" if backend != "gloo" else "workers run on several hosts" if len(hosts) > 1
+               else "this system has no /dev/shm" if not shm.available() else None)
+    if why_not is not None:
+        if transport == "shm":
+            raise ConfigurationError(f"transport='shm' needs every worker on one host with Gloo, but {why_not}; "
+                                     "use transport='auto' or 'gloo'.")
+        return None
+    name = shm.segment_name(_job_id(store), generation)
+    key = f"phalanx/g{generation}/shm"
+    if info.rank == 0:
+        group = shm.SharedMemoryGroup(name, 0, info.world_size, timeout_s, create=True)
+        store.set(key, name)
+    else:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        group = shm.SharedMemoryGroup(name, info.rank, info.world_size, timeout_s, create=False)
+    dist.barrier()
+    if info.rank == 0:
+        group.unlink()  # every rank has it mapped: nothing is left in /dev/shm, whatever happens next
+    return shm.Executor(group)
+
+
+def _hosts(info: LaunchInfo, store: Any, generation: int) -> set[str]:
+    """Where this generation's ranks run, exchanged through the store: the host name, and the
+    launcher (ranks of different launchers, say in network namespaces of one machine, count as
+    different hosts: each launcher names its own segments)."""
+    prefix = f"phalanx/g{generation}/host/"
+    store.set(f"{prefix}{info.rank}", f"{socket.gethostname()}/{os.environ.get(JOB_ENV, '')}")
+    keys = [f"{prefix}{rank}" for rank in range(info.world_size)]
+    store.wait(keys)
+    return {store.get(key).decode() for key in keys}
+
+
+def _job_id(store: Any) -> str:
+    """The launcher's job id, or one agreed through the store (other launchers)."""
+    job = os.environ.get(JOB_ENV)
+    if job:
+        return job
+    return store.compare_set("phalanx/job", "", secrets.token_hex(4)).decode()
 
 
 def _adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.device) -> _Runtime:
@@ -380,14 +449,16 @@ def rejoin(reason: str = "failure") -> Membership:
     if reason == "failure":
         mark_broken()
     _leave_group()
+    if current.shm is not None:
+        current.shm.close()
     base, generation = current.info, current.generation
     _runtime = _Runtime(dataclasses.replace(base, rank=0, world_size=1), current.timeout_s, current.backend,
-                        current.device, store=current.store, generation=-1)
+                        current.device, store=current.store, generation=-1, transport=current.transport)
     while True:
         answer = _elastic.request(reason, generation, _rendezvous_timeout(current.timeout_s))
         try:
             _runtime = _runtime_for_answer(answer, base, current.timeout_s, current.backend, current.device,
-                                           current.store)
+                                           current.store, current.transport)
         except CollectiveTimeoutError:  # a member of the new generation failed while it formed: next one
             generation, reason = int(answer["generation"]), "failure"
             try:
@@ -410,23 +481,24 @@ def _rendezvous_timeout(timeout_s: float) -> float:
     return max(2.0 * timeout_s, START_TIMEOUT_S) + 30.0
 
 
-def _init_elastic(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device) -> _Runtime:
+def _init_elastic(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device,
+                  transport: str = "auto") -> _Runtime:
     """Join generation 0, or, when the job already runs, wait as a world of one for admission."""
     global _elastic
     member = int(os.environ[MEMBER_ENV])
     store = _connect_store(info, timeout_s)
     _elastic = ElasticClient(store, member)
     answer = _elastic.request("start", -1, _rendezvous_timeout(timeout_s))
-    return _runtime_for_answer(answer, info, timeout_s, backend, device, store)
+    return _runtime_for_answer(answer, info, timeout_s, backend, device, store, transport)
 
 
 def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: float, backend: str,
-                        device: torch.device, store: Any) -> _Runtime:
+                        device: torch.device, store: Any, transport: str = "auto") -> _Runtime:
     """Build the runtime the coordinator's answer describes (forming the new group), or raise."""
     alone = dataclasses.replace(info, rank=0, world_size=1)
     status = answer.get("status")
     if status == "late":  # the job already runs: px.elastic.run() asks for admission
-        return _Runtime(alone, timeout_s, backend, device, store=store, generation=-1)
+        return _Runtime(alone, timeout_s, backend, device, store=store, generation=-1, transport=transport)
     if status != "ok":
         raise MembershipClosed(answer.get("message", f"the coordinator answered {answer}"), str(status),
                                bool(answer.get("save", False)))
@@ -440,8 +512,10 @@ def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: flo
     placed = dataclasses.replace(info, rank=rank, world_size=len(members))
     if len(members) == 1:
         _elastic.track(generation, {})
-        return _Runtime(placed, timeout_s, backend, device, store=store, generation=generation, membership=view)
-    runtime = _create_group(placed, timeout_s, backend, device, store=store, generation=generation)
+        return _Runtime(placed, timeout_s, backend, device, store=store, generation=generation, membership=view,
+                        transport=transport)
+    runtime = _create_group(placed, timeout_s, backend, device, store=store, generation=generation,
+                            transport=transport)
     _elastic.track(generation, runtime.sockets if backend == "gloo" else {})
     return dataclasses.replace(runtime, membership=view)
 

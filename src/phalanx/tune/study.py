@@ -20,6 +20,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from phalanx.errors import ConfigurationError
+from phalanx.lifetime import is_alive
 from phalanx.tune.space import Space
 from phalanx.tune.storage import open_storage
 
@@ -113,19 +114,9 @@ def _runner_gone(trial: FrozenTrial) -> bool:
     runner = trial.system_attrs.get(RUNNER_ATTR, "")
     host, _, pid = runner.rpartition(":")
     if host == socket.gethostname() and pid.isdigit():
-        return not _process_alive(int(pid))
+        return not is_alive(int(pid))
     alive = trial.system_attrs.get(ALIVE_ATTR, 0.0)
     return time.time() - float(alive) > STALE_AFTER_S
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def claim(study: optuna.Study, trial: optuna.Trial, total: int) -> bool:

@@ -1,0 +1,227 @@
+"""Allreduce among the workers of one host through shared memory, without the kernel's sockets.
+
+One segment per job and generation (``/dev/shm/phalanx-JOB-gGEN``): a header with each rank's
+pid and arrival counter (one cache line each), one slot per rank, and a result area. A tensor
+goes through in rounds of at most a slot: every rank copies its part into its slot and arrives;
+each rank then reduces its 1/p slice of all slots into the result area (torch's kernels, the
+GIL released) and arrives again; every rank copies the result out. Two arrivals per round: a
+round's writes cannot overtake a rank still reading the last one, because that rank has not yet
+arrived for the new round.
+
+Waiting spins briefly, then yields the core, then sleeps in growing steps, so that a worker
+waiting does not take the core its peer computes on; it checks that its peers live every 50 ms
+(a dead peer is named at once) and gives up after the job's timeout. The segment is unlinked as
+soon as every rank has mapped it, so nothing is left in /dev/shm whatever happens later; the
+launcher also removes its job's names, for a worker killed in between.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from phalanx.errors import CollectiveTimeoutError
+from phalanx.lifetime import is_alive
+
+SHM_DIR = "/dev/shm"
+PREFIX = "phalanx-"
+SLOT_BYTES = 4 << 20
+LINE = 64  # bytes per rank in the header: pid, counter, padding
+SPIN_S = 50e-6  # then yield the core, in case the peer waits for it
+YIELD_S = 5e-3  # then sleep, in steps growing to 1 ms
+LIVENESS_EVERY_S = 0.05
+
+Combine = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def segment_name(job: str, generation: int) -> str:
+    return f"{PREFIX}{job}-g{generation}"
+
+
+def available() -> bool:
+    """Whether this host offers POSIX shared memory the way phalanx uses it (Linux ``/dev/shm``)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class SharedMemoryGroup:
+    """The ranks of one host, reducing through one mapped segment. ``create`` on local rank 0."""
+
+    def __init__(self, name: str, rank: int, size: int, timeout_s: float, create: bool):
+        self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
+        self.path = os.path.join(SHM_DIR, name)
+        total = size * LINE + (size + 1) * SLOT_BYTES
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        descriptor = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(descriptor, total)
+            self._map = mmap.mmap(descriptor, total)
+        finally:
+            os.close(descriptor)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        header = raw[: size * LINE].view(torch.int64).view(size, LINE // 8)
+        self._pids = header[:, 0]
+        self._words = memoryview(self._map)[: size * LINE].cast("q")  # plain reads: ~0.1 us, not a torch op
+        self._counter_index = [r * (LINE // 8) + 1 for r in range(size)]
+        self._slots = [raw[size * LINE + k * SLOT_BYTES: size * LINE + (k + 1) * SLOT_BYTES] for k in range(size)]
+        self._result = raw[size * LINE + size * SLOT_BYTES:]
+        self._pids[rank] = os.getpid()
+        self._arrivals = 0
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Make a wait in progress (on any thread) give up at once; the group is unusable after."""
+        self._aborted = True
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid): called once every rank has mapped the segment."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self._words.release()
+        self._pids = None  # type: ignore[assignment]
+        self._slots, self._result = [], None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:  # a tensor still views it: the mapping goes with the process
+            pass
+
+    def allreduce_(self, flat: torch.Tensor, combine: Combine) -> None:
+        """Reduce the 1-D contiguous CPU tensor ``flat`` over the host's ranks, in place."""
+        per_round = max(SLOT_BYTES // flat.element_size(), 1)
+        for start in range(0, flat.numel(), per_round):
+            self._round(flat[start: start + per_round], combine)
+
+    def _round(self, chunk: torch.Tensor, combine: Combine) -> None:
+        count, dtype = chunk.numel(), chunk.dtype
+        slots = [slot[: count * chunk.element_size()].view(dtype) for slot in self._slots]
+        slots[self.rank].copy_(chunk)
+        self._arrive_and_wait("copying in")
+        low, high = (count * self.rank) // self.size, (count * (self.rank + 1)) // self.size
+        if high > low:
+            mine = self._result[: count * chunk.element_size()].view(dtype)[low:high]
+            mine.copy_(slots[0][low:high])
+            for slot in slots[1:]:
+                combine(mine, slot[low:high])
+        self._arrive_and_wait("reducing")
+        chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
+
+    def _arrive_and_wait(self, phase: str) -> None:
+        """Publish this rank's arrival and wait for every rank's: spin, then yield, then sleep."""
+        self._arrivals += 1
+        target = self._arrivals
+        words, indices = self._words, self._counter_index
+        words[indices[self.rank]] = target
+        started = time.monotonic()
+        next_liveness, pause = started + LIVENESS_EVERY_S, 0.0
+        while min(words[k] for k in indices) < target:
+            if self._aborted:
+                raise CollectiveTimeoutError(f"allreduce through shared memory on rank {self.rank} was aborted "
+                                             "(the process is leaving the group).")
+            now = time.monotonic()
+            waited = now - started
+            if waited < SPIN_S:
+                continue
+            if waited < YIELD_S:
+                os.sched_yield()
+            else:
+                pause = min(max(pause * 2, 5e-5), 1e-3)
+                time.sleep(pause)
+            if now >= next_liveness:
+                next_liveness = now + LIVENESS_EVERY_S
+                self._check_peers(target, phase, waited)
+
+    def _check_peers(self, target: int, phase: str, waited: float) -> None:
+        missing = [r for r in range(self.size) if self._words[self._counter_index[r]] < target]
+        dead = [r for r in missing if int(self._pids[r]) > 0 and not is_alive(int(self._pids[r]))]
+        if dead or waited > self.timeout_s:
+            why = f"rank(s) {dead} died" if dead else f"rank(s) {missing} did not answer within {self.timeout_s:.0f}s"
+            raise CollectiveTimeoutError(
+                f"allreduce through shared memory on rank {self.rank} of {self.size} failed while {phase}: {why}. "
+                "The first failing rank's output names the root cause.")
+
+
+def remove_job_segments(job: str) -> list[str]:
+    """Unlink every segment of ``job`` still named in /dev/shm (the launcher, after its workers ended)."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(f"{PREFIX}{job}-"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+class Executor:
+    """Runs the process's shared-memory allreduces in submission order.
+
+    Every rank issues its collectives in the same order, so one FIFO keeps them matched across
+    ranks whether they come from the user's thread or the gradient engine's hooks. Asynchronous
+    ones run on one background (daemon) thread, beside backward (torch's kernels release the
+    GIL); a synchronous one runs on the caller's thread when nothing is queued, saving two thread
+    hand-offs. ``close`` aborts a wait in progress, so a failing process never waits for peers.
+    """
+
+    def __init__(self, group: SharedMemoryGroup):
+        self.group = group
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._state = threading.Lock()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._serve, name="phalanx-shm", daemon=True)
+        self._thread.start()
+
+    def submit(self, flat: torch.Tensor, combine: Combine) -> concurrent.futures.Future:
+        """Queue an allreduce behind the others; its future completes when it has."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._state:
+            self._pending += 1
+        self._queue.put((flat, combine, future))
+        return future
+
+    def run(self, flat: torch.Tensor, combine: Combine) -> None:
+        """An allreduce now: inline when the queue is empty, else behind the queued ones."""
+        with self._state:
+            inline = self._pending == 0
+            if inline:
+                self._pending += 1
+        if not inline:
+            self.submit(flat, combine).result()
+            return
+        try:
+            self.group.allreduce_(flat, combine)
+        finally:
+            with self._state:
+                self._pending -= 1
+
+    def _serve(self) -> None:
+        while (task := self._queue.get()) is not None:
+            flat, combine, future = task
+            try:
+                self.group.allreduce_(flat, combine)
+                future.set_result(None)
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(error)
+            finally:
+                with self._state:
+                    self._pending -= 1
+
+    def close(self) -> None:
+        self.group.abort()
+        self._queue.put(None)
+        self.group.close()

@@ -1,0 +1,130 @@
+"""Workers on one host reduce through shared memory: the same results as Gloo for every op, dtype
+and size; a dead peer named within the timeout; nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import phalanx as px
+from phalanx.comm import runtime, shm
+from tests.cli.test_launcher import phalanx_command, worker_env, write_script
+from tests.comm.test_algorithms import DTYPES, SIZES, _input
+from tests.harness import run_workers
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm here")
+
+OPS = ("sum", "avg", "min", "max", "product")
+GLOO_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
+
+
+def _shm_against_gloo() -> dict:
+    out = {"shm": runtime.shm_executor() is not None}
+    for dtype in DTYPES:
+        for numel in (*SIZES, shm.SLOT_BYTES // 4 + 3):  # the last one takes two rounds
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                tensor = _input(px.rank(), numel, dtype)
+                through_gloo = tensor.clone()
+                if px.size() > 1:
+                    dist.all_reduce(through_gloo, GLOO_OPS[op])
+                if op == "avg":
+                    through_gloo /= px.size()
+                out[(dtype, numel, op)] = (px.allreduce(tensor, op), through_gloo)
+    handles = [px.allreduce(torch.full((5,), float(px.rank() + k)), async_op=True) for k in range(4)]
+    out["async in order"] = [handle.wait() for handle in handles]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shared_memory_gives_gloo_results_for_every_op_dtype_and_size(world_size: int) -> None:
+    results = run_workers(_shm_against_gloo, world_size)
+    assert all(r["shm"] == (world_size > 1) for r in results)
+    for key, value in results[0].items():
+        if not isinstance(key, tuple):
+            continue
+        got, expected = value
+        dtype = key[0]
+        for rank in range(1, world_size):
+            assert torch.equal(results[rank][key][0], got), (key, rank)  # the same bits on every rank
+        if dtype.is_floating_point:
+            tolerance = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-5)
+            torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance, msg=str(key))
+        else:
+            assert torch.equal(got, expected), key
+    total = sum(range(world_size))
+    for k, got in enumerate(results[0]["async in order"]):
+        assert torch.equal(got, torch.full((5,), float(total + k * world_size)))
+
+
+def _leftovers(job: str) -> list[str]:
+    return [name for name in os.listdir(shm.SHM_DIR) if name.startswith(f"{shm.PREFIX}{job}-")]
+
+
+def test_a_worker_killed_during_an_allreduce_is_named_and_nothing_is_left(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "kill.py", """\
+        import os, signal, time, torch
+        import phalanx as px
+        px.init(transport="shm")
+        px.allreduce(torch.ones(10))
+        if px.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        px.allreduce(torch.ones(10), check=False)
+    """)
+    started = time.monotonic()
+    launcher = subprocess.Popen(phalanx_command("-n", "3", "--grace", "5", str(script)), cwd=tmp_path,
+                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert time.monotonic() - started < 20
+    assert "worker rank 1" in stderr and "SIGKILL" in stderr, stderr
+    assert _leftovers(str(launcher.pid)) == []
+
+
+def test_a_finished_job_leaves_no_segment(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "ok.py", """\
+        import torch
+        import phalanx as px
+        px.init(transport="shm")
+        assert int(px.allreduce(torch.ones(3))[0]) == px.size()
+    """)
+    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script)), cwd=tmp_path, env=worker_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, stderr
+    assert _leftovers(str(launcher.pid)) == []
+
+
+def _dead_peer_message() -> str:
+    px.allreduce(torch.ones(4))
+    if px.rank() == 1:
+        os._exit(0)  # gone without a word, in the middle of the job
+    try:
+        px.allreduce(torch.ones(4), check=False)
+    except px.CollectiveTimeoutError as error:
+        return str(error)
+    return "no error"
+
+
+def test_the_survivor_names_the_dead_peer_at_once() -> None:
+    started = time.monotonic()
+    try:
+        run_workers(_dead_peer_message, 2, timeout=30)
+    except AssertionError as failure:  # rank 1 never returns a result; rank 0's message is in the report
+        report = str(failure)
+    assert time.monotonic() - started < 25
+    assert "rank(s) [1] died" in report or "exited" in report, report
+
+
+def test_an_unknown_transport_is_refused() -> None:
+    with pytest.raises(px.ConfigurationError, match="transport must be one of"):
+        px.init(transport="rdma")
