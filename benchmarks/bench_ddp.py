@@ -56,6 +56,7 @@ SWEEP_THRESHOLDS = ["0", "1", "4", "16", "25", "64", "inf", "auto"]
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "mlp": {"batch": 96, "input": [1024], "classes": 10},
     "cnn": {"batch": 32, "input": [3, 32, 32], "classes": 10},
+    "transformer": {"batch": 32, "input": [32, 128], "classes": 10},
 }
 
 NETNS = ("pxbench0", "pxbench1")
@@ -82,6 +83,15 @@ def build_model(name: str) -> Any:
                              *block(16, 32), *block(32, 32), nn.MaxPool2d(2),
                              *block(32, 64), *block(64, 64), nn.MaxPool2d(2),
                              nn.Flatten(), nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10))
+    if name == "transformer":  # 0.40 M parameters in 26 tensors: 2 encoder layers over 32 tokens of 128
+        class MeanOverTokens(nn.Module):
+            def forward(self, x: Any) -> Any:  # (batch, tokens, features) -> (batch, features)
+                return x.mean(dim=1)
+
+        return nn.Sequential(
+            nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, dim_feedforward=512, dropout=0.0,
+                                                             batch_first=True), num_layers=2),
+            MeanOverTokens(), nn.Linear(128, 10))
     raise ValueError(f"unknown model {name!r}")
 
 
