@@ -38,6 +38,13 @@ def combiner(op: str) -> Combine:
     return lambda into, other: torch.maximum(into, other, out=into)
 
 
+def combiner_into(op: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """``out <- a (op) b``: one pass instead of a copy and a combine."""
+    function = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
+                "max": torch.maximum}[op]
+    return lambda a, b, out: function(a, b, out=out)
+
+
 def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGroup | None) -> None:
     """Reduce ``flat`` (1-D, contiguous) over ``group`` in place with ``algorithm``."""
     size = dist.get_world_size(group)

@@ -374,9 +374,9 @@ def _shm_allreduce(executor: Any, tensor: torch.Tensor, op: str, scale: Callable
     name = "allreduce (shared memory)"
     if not async_op:
         with translate_errors(name):
-            executor.run(flat, algorithms.combiner(op))
+            executor.run(flat, op)
         return finish()
-    return Handle(name, _FutureWork(executor.submit(flat, algorithms.combiner(op))), finish)
+    return Handle(name, _FutureWork(executor.submit(flat, op)), finish)
 
 
 class _FutureWork:

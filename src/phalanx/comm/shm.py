@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from phalanx.comm import algorithms
 from phalanx.errors import CollectiveTimeoutError
 from phalanx.lifetime import is_alive
 
@@ -39,6 +40,7 @@ YIELD_S = 5e-3  # then sleep, in steps growing to 1 ms
 LIVENESS_EVERY_S = 0.05
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
+CombineInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def segment_name(job: str, generation: int) -> str:
@@ -96,13 +98,14 @@ class SharedMemoryGroup:
         except BufferError:  # a tensor still views it: the mapping goes with the process
             pass
 
-    def allreduce_(self, flat: torch.Tensor, combine: Combine) -> None:
-        """Reduce the 1-D contiguous CPU tensor ``flat`` over the host's ranks, in place."""
+    def allreduce_(self, flat: torch.Tensor, op: str) -> None:
+        """Reduce the 1-D contiguous CPU tensor ``flat`` over the host's ranks with ``op``, in place."""
         per_round = max(SLOT_BYTES // flat.element_size(), 1)
+        combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
         for start in range(0, flat.numel(), per_round):
-            self._round(flat[start: start + per_round], combine)
+            self._round(flat[start: start + per_round], combine, combine_into)
 
-    def _round(self, chunk: torch.Tensor, combine: Combine) -> None:
+    def _round(self, chunk: torch.Tensor, combine: Combine, combine_into: CombineInto) -> None:
         count, dtype = chunk.numel(), chunk.dtype
         slots = [slot[: count * chunk.element_size()].view(dtype) for slot in self._slots]
         slots[self.rank].copy_(chunk)
@@ -110,8 +113,8 @@ class SharedMemoryGroup:
         low, high = (count * self.rank) // self.size, (count * (self.rank + 1)) // self.size
         if high > low:
             mine = self._result[: count * chunk.element_size()].view(dtype)[low:high]
-            mine.copy_(slots[0][low:high])
-            for slot in slots[1:]:
+            combine_into(slots[0][low:high], slots[1][low:high], mine)
+            for slot in slots[2:]:
                 combine(mine, slot[low:high])
         self._arrive_and_wait("reducing")
         chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
@@ -186,34 +189,34 @@ class Executor:
         self._thread = threading.Thread(target=self._serve, name="phalanx-shm", daemon=True)
         self._thread.start()
 
-    def submit(self, flat: torch.Tensor, combine: Combine) -> concurrent.futures.Future:
+    def submit(self, flat: torch.Tensor, op: str) -> concurrent.futures.Future:
         """Queue an allreduce behind the others; its future completes when it has."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._state:
             self._pending += 1
-        self._queue.put((flat, combine, future))
+        self._queue.put((flat, op, future))
         return future
 
-    def run(self, flat: torch.Tensor, combine: Combine) -> None:
+    def run(self, flat: torch.Tensor, op: str) -> None:
         """An allreduce now: inline when the queue is empty, else behind the queued ones."""
         with self._state:
             inline = self._pending == 0
             if inline:
                 self._pending += 1
         if not inline:
-            self.submit(flat, combine).result()
+            self.submit(flat, op).result()
             return
         try:
-            self.group.allreduce_(flat, combine)
+            self.group.allreduce_(flat, op)
         finally:
             with self._state:
                 self._pending -= 1
 
     def _serve(self) -> None:
         while (task := self._queue.get()) is not None:
-            flat, combine, future = task
+            flat, op, future = task
             try:
-                self.group.allreduce_(flat, combine)
+                self.group.allreduce_(flat, op)
                 future.set_result(None)
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(error)
