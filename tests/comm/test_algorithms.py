@@ -81,3 +81,32 @@ def test_ranks_choosing_different_algorithms_get_a_mismatch_error() -> None:
 def test_an_unknown_algorithm_is_refused() -> None:
     with pytest.raises(px.ConfigurationError, match="algorithm must be one of"):
         px.allreduce(torch.ones(2), algorithm="butterfly")
+
+
+def test_the_cost_model_prefers_few_messages_when_small_and_few_bytes_when_large() -> None:
+    from phalanx.comm.cost import Link, choose, predict
+
+    link = Link(alpha_s=50e-6, beta_s_per_byte=1e-9)  # 50 us, 1 GB/s
+    assert choose(4 << 10, 8, link, ("ring", "tree")) == "tree"  # 6 latencies against the ring's 14
+    assert choose(64 << 20, 8, link, ("ring", "tree")) == "ring"  # moves 2(p-1)/p n, not 2 log2(p) n
+    assert choose(4 << 10, 8, link, ("ring", "tree", "halving_doubling")) == "halving_doubling"  # both
+    assert predict("ring", 1 << 20, 4, link) == pytest.approx(6 * 50e-6 + 2 * 0.75 * (1 << 20) * 1e-9)
+    assert predict("halving_doubling", 1 << 20, 3, link) > predict("halving_doubling", 1 << 20, 4, link)
+    assert predict("tree", 123, 1, link) == 0.0
+
+
+def _auto_over_messages() -> tuple[float, float, list[str], list[float]]:
+    from phalanx.comm import collectives
+
+    tensors = [torch.full((n,), float(px.rank() + 1)) for n in (1, 1000, 300_000)]
+    chosen = [collectives._cheapest(tensor) for tensor in tensors]  # what "auto" runs without shared memory
+    results = [float(px.allreduce(tensor, algorithm=name)[0]) for tensor, name in zip(tensors, chosen)]
+    measured = collectives.link()
+    return measured.alpha_s, measured.beta_s_per_byte, chosen, results
+
+
+def test_auto_measures_the_link_once_and_every_rank_agrees() -> None:
+    results = run_workers(_auto_over_messages, 3)
+    assert len({(alpha, beta, tuple(chosen)) for alpha, beta, chosen, _ in results}) == 1  # rank 0's figures
+    assert all(alpha > 0 for alpha, *_ in results)
+    assert all(values == [6.0, 6.0, 6.0] for *_, values in results)

@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(argv[1:])
         if argv[:1] == ["tune"]:
             return _tune(argv[1:])
+        if argv[:2] == ["bench", "comm"]:
+            return _bench_comm(argv[2:])
         return _other_command(argv)
     except SystemExit as exit_:  # argparse's --help and usage errors
         return exit_.code if isinstance(exit_.code, int) else 2
@@ -93,6 +95,25 @@ def _tune(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"{PROG} tune: stopped; run the same command again to continue the study", file=sys.stderr)
         return 130
+
+
+def _bench_comm(argv: list[str]) -> int:
+    """``phalanx bench comm [-n N] [--reps R] [--transport T]``: measure the link and every algorithm."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} bench comm", description=(
+        "Measure latency and bandwidth between workers of this host and time every allreduce algorithm "
+        "against its alpha-beta prediction (see docs/transport.md)."), allow_abbrev=False)
+    parser.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (default 2)")
+    parser.add_argument("--reps", type=int, default=7, help="repetitions per measurement (default 7)")
+    parser.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo"))
+    namespace = parser.parse_args(argv)
+    config = LaunchConfig(target="phalanx.cli.bench_comm", is_module=True, nproc_per_node=namespace.nproc_per_node,
+                          args=("--reps", str(namespace.reps), "--transport", namespace.transport), prefix_output=False)
+    try:
+        config.validate()
+    except ConfigurationError as error:
+        print(f"{PROG} bench comm: error: {error}", file=sys.stderr)
+        return 2
+    return launch(config)
 
 
 def _other_command(argv: list[str]) -> int:

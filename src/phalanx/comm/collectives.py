@@ -18,7 +18,7 @@ from typing import Any, Callable, Generic, Iterator, Literal, Sequence, TypeVar,
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import algorithms, runtime
+from phalanx.comm import algorithms, cost, runtime
 from phalanx.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -106,9 +106,11 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
               check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
     """Reduce ``tensor`` over all ranks with ``op``; return the result as a new tensor.
 
-    ``algorithm`` is ``"backend"`` (torch.distributed's own: Gloo's ring, NCCL's choice) or one of
-    phalanx's over point-to-point messages, ``"ring"``, ``"tree"``, ``"halving_doubling"`` (see
-    :mod:`phalanx.comm.algorithms`; they run to completion before returning, also with ``async_op``).
+    ``algorithm`` is ``"backend"`` (torch.distributed's own: Gloo's ring, NCCL's choice, or shared
+    memory when the transport is), one of phalanx's over point-to-point messages, ``"ring"``,
+    ``"tree"``, ``"halving_doubling"`` (see :mod:`phalanx.comm.algorithms`; they run to completion
+    before returning, also with ``async_op``), or ``"auto"``: shared memory where it is in use,
+    else the algorithm the alpha-beta model of :mod:`phalanx.comm.cost` predicts fastest.
     """
     return _allreduce_into(tensor.clone(), op, async_op, check, algorithm)
 
@@ -335,7 +337,7 @@ def allgather_object(obj: Any, *, async_op: bool = False) -> list[Any] | Handle[
 
 
 REDUCE_OPS_INDEX = {name: index for index, name in enumerate(REDUCE_OPS)}
-ALLREDUCE_ALGORITHMS = ("backend", *algorithms.ALGORITHMS)
+ALLREDUCE_ALGORITHMS = ("backend", "auto", *algorithms.ALGORITHMS)
 
 
 def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
@@ -347,8 +349,10 @@ def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
         _check("allreduce", tensor, REDUCE_OPS_INDEX[op] + len(REDUCE_OPS) * ALLREDUCE_ALGORITHMS.index(algorithm))
     scale = _averaging(op, tensor)
     executor = runtime.shm_executor()
-    if algorithm == "backend" and executor is not None and not tensor.is_cuda:
+    if algorithm in ("backend", "auto") and executor is not None and not tensor.is_cuda:
         return _shm_allreduce(executor, tensor, op, scale, async_op)
+    if algorithm == "auto":
+        algorithm = _cheapest(tensor)
     if algorithm == "backend":
         return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
                        lambda: scale(tensor), async_op)
@@ -359,6 +363,36 @@ def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
     return _done(scale(tensor), async_op)
+
+
+_links: dict[int, cost.Link] = {}  # measured once per group (key: the group object's id)
+
+
+def _cheapest(tensor: torch.Tensor) -> str:
+    """The algorithm the alpha-beta model predicts fastest for ``tensor`` (Gloo's own ring stands
+    for the ring: the same steps, in C++). Measures the link on first use: every rank is here."""
+    group, world = _group(tensor), runtime.size()
+    if world == 1:
+        return "backend"
+    if id(group) not in _links:
+        with translate_errors("allreduce (measuring the link)"):
+            _links[id(group)] = cost.measure(group)
+    choice = cost.choose(tensor.numel() * tensor.element_size(), world, _links[id(group)],
+                         ("ring", "tree", "halving_doubling"))
+    return "backend" if choice == "ring" else choice
+
+
+def link() -> cost.Link | None:
+    """The measured link of the CPU group, once ``algorithm="auto"`` needed it (or :func:`measure_link`)."""
+    return _links.get(id(_group(None))) if runtime.is_initialized() else None
+
+
+def measure_link() -> cost.Link:
+    """Measure the CPU group's alpha and beta now (collective) and keep them for ``algorithm="auto"``."""
+    group = _group(None)
+    with translate_errors("measuring the link"):
+        _links[id(group)] = cost.measure(group)
+    return _links[id(group)]
 
 
 def _shm_allreduce(executor: Any, tensor: torch.Tensor, op: str, scale: Callable[[torch.Tensor], torch.Tensor],
@@ -424,7 +458,7 @@ def _then(handle: Handle[S], convert: Callable[[S], T], async_op: bool) -> T | H
     return chained if async_op else chained.wait()
 
 
-def _group(tensor: torch.Tensor) -> dist.ProcessGroup | None:
+def _group(tensor: torch.Tensor | None) -> dist.ProcessGroup | None:
     return runtime.group_for(tensor)
 
 
