@@ -128,3 +128,33 @@ def test_the_survivor_names_the_dead_peer_at_once() -> None:
 def test_an_unknown_transport_is_refused() -> None:
     with pytest.raises(px.ConfigurationError, match="transport must be one of"):
         px.init(transport="rdma")
+
+
+HIERARCHICAL_SCRIPT = """\
+    import torch
+    import phalanx as px
+    from phalanx.comm import runtime
+    px.init()
+    group = runtime.shm_executor().group
+    assert group.cross is not None and group.size == 2, "not hierarchical"
+    world, rank = px.size(), px.rank()
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        for numel in (0, 1, 5, 1_100_001):
+            mine = torch.arange(numel, dtype=torch.float64).to(dtype) + rank
+            expected = sum(torch.arange(numel, dtype=torch.float64).to(dtype) + r for r in range(world))
+            assert torch.equal(px.allreduce(mine), expected), (dtype, numel)
+            assert torch.equal(px.allreduce(mine, "max"), mine - rank + world - 1), (dtype, numel)
+    print(f"rank {rank}: hierarchical allreduce ok", flush=True)
+"""
+
+
+def test_hierarchical_allreduce_across_two_hosts(tmp_path: Path, two_hosts: list[str]) -> None:
+    """Two workers on each of two hosts (network namespaces): shared memory within, Gloo between."""
+    from tests.cli.test_launcher import run_on_hosts
+
+    script = write_script(tmp_path, "hier.py", HIERARCHICAL_SCRIPT)
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29541"]
+    codes, outputs = run_on_hosts(two_hosts, common, [str(script)], tmp_path, worker_env(), 120)
+    assert codes == [0, 0], outputs
+    printed = outputs[0][0] + outputs[1][0]
+    assert all(f"rank {r}: hierarchical allreduce ok" in printed for r in range(4)), printed

@@ -337,43 +337,68 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
 
 def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, backend: str,
               timeout_s: float) -> shm.Executor | None:
-    """Map this generation's segment when the transport allows it and every rank shares this host.
+    """Map this host's segment of this generation when the transport allows it.
 
-    Rank 0 creates it, the others map it, and once all have (a barrier) rank 0 removes its name.
+    All ranks on one host: the allreduce is the shared-memory one. Several hosts with the same
+    number of ranks each: hierarchical, with one Gloo group per local index across the hosts, so
+    that each local rank carries its slice between hosts. The host's first rank creates the
+    segment, the others map it, and once all have (a barrier) its name is removed.
     """
     if transport == "gloo":
         return None
     hosts = _hosts(info, store, generation)
-    why_not = ("the backend is NCCL" if backend != "gloo" else "workers run on several hosts" if len(hosts) > 1
-               else "this system has no /dev/shm" if not shm.available() else None)
+    local = hosts[_host_key()]
+    sizes = {len(ranks) for ranks in hosts.values()}
+    why_not = ("the backend is NCCL" if backend != "gloo" else "this system has no /dev/shm" if not shm.available()
+               else "hosts run different numbers of workers" if len(sizes) > 1
+               else "every host runs a single worker" if sizes == {1} else None)
     if why_not is not None:
         if transport == "shm":
-            raise ConfigurationError(f"transport='shm' needs every worker on one host with Gloo, but {why_not}; "
+            raise ConfigurationError(f"transport='shm' needs Gloo and several workers per host, but {why_not}; "
                                      "use transport='auto' or 'gloo'.")
         return None
+    cross = _cross_host_groups(hosts, local.index(info.rank), timeout_s) if len(hosts) > 1 else None
+    index = local.index(info.rank)
     name = shm.segment_name(_job_id(store), generation)
-    key = f"phalanx/g{generation}/shm"
-    if info.rank == 0:
-        group = shm.SharedMemoryGroup(name, 0, info.world_size, timeout_s, create=True)
+    key = f"phalanx/g{generation}/shm/{_host_key()}"
+    if index == 0:
+        group = shm.SharedMemoryGroup(name, 0, len(local), timeout_s, create=True, cross=cross)
         store.set(key, name)
     else:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
-        group = shm.SharedMemoryGroup(name, info.rank, info.world_size, timeout_s, create=False)
+        group = shm.SharedMemoryGroup(name, index, len(local), timeout_s, create=False, cross=cross)
     dist.barrier()
-    if info.rank == 0:
+    if index == 0:
         group.unlink()  # every rank has it mapped: nothing is left in /dev/shm, whatever happens next
     return shm.Executor(group)
 
 
-def _hosts(info: LaunchInfo, store: Any, generation: int) -> set[str]:
-    """Where this generation's ranks run, exchanged through the store: the host name, and the
-    launcher (ranks of different launchers, say in network namespaces of one machine, count as
-    different hosts: each launcher names its own segments)."""
+def _cross_host_groups(hosts: dict[str, list[int]], mine: int, timeout_s: float) -> dist.ProcessGroup:
+    """One Gloo group per local index, joining that index's rank on every host (every rank creates
+    every group, in the same order); returns this rank's."""
+    ordered = [hosts[key] for key in sorted(hosts, key=lambda key: hosts[key][0])]
+    groups = [dist.new_group([ranks[index] for ranks in ordered], backend="gloo",
+                             timeout=datetime.timedelta(seconds=timeout_s)) for index in range(len(ordered[0]))]
+    return groups[mine]
+
+
+def _host_key() -> str:
+    """This rank's host for shared memory: the host name and its launcher (ranks of different
+    launchers, say in network namespaces of one machine, count as different hosts: each launcher
+    names its own segments)."""
+    return f"{socket.gethostname()}/{os.environ.get(JOB_ENV, '')}"
+
+
+def _hosts(info: LaunchInfo, store: Any, generation: int) -> dict[str, list[int]]:
+    """The ranks of each host in this generation, exchanged through the store."""
     prefix = f"phalanx/g{generation}/host/"
-    store.set(f"{prefix}{info.rank}", f"{socket.gethostname()}/{os.environ.get(JOB_ENV, '')}")
+    store.set(f"{prefix}{info.rank}", _host_key())
     keys = [f"{prefix}{rank}" for rank in range(info.world_size)]
     store.wait(keys)
-    return {store.get(key).decode() for key in keys}
+    hosts: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        hosts.setdefault(store.get(key).decode(), []).append(rank)
+    return hosts
 
 
 def _job_id(store: Any) -> str:

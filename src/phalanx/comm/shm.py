@@ -1,10 +1,13 @@
-"""Allreduce among the workers of one host through shared memory, without the kernel's sockets.
+"""Allreduce among the workers of one host through shared memory, without the kernel's sockets;
+across hosts, hierarchical: shared memory within each host, Gloo between hosts for each slice.
 
 One segment per job and generation (``/dev/shm/phalanx-JOB-gGEN``): a header with each rank's
 pid and arrival counter (one cache line each), one slot per rank, and a result area. A tensor
 goes through in rounds of at most a slot: every rank copies its part into its slot and arrives;
 each rank then reduces its 1/p slice of all slots into the result area (torch's kernels, the
-GIL released) and arrives again; every rank copies the result out. Two arrivals per round: a
+GIL released) and arrives again; every rank copies the result out. On several hosts each rank
+first allreduces its reduced slice with the same local rank of every other host (a Gloo group per
+local index, so every rank's link carries a share). Two arrivals per round: a
 round's writes cannot overtake a rank still reading the last one, because that rank has not yet
 arrived for the new round.
 
@@ -26,6 +29,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from phalanx.comm import algorithms
 from phalanx.errors import CollectiveTimeoutError
@@ -39,6 +43,8 @@ SPIN_S = 50e-6  # then yield the core, in case the peer waits for it
 YIELD_S = 5e-3  # then sleep, in steps growing to 1 ms
 LIVENESS_EVERY_S = 0.05
 
+CROSS_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
+             "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 CombineInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -55,8 +61,10 @@ def available() -> bool:
 class SharedMemoryGroup:
     """The ranks of one host, reducing through one mapped segment. ``create`` on local rank 0."""
 
-    def __init__(self, name: str, rank: int, size: int, timeout_s: float, create: bool):
+    def __init__(self, name: str, rank: int, size: int, timeout_s: float, create: bool,
+                 cross: dist.ProcessGroup | None = None):
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
+        self.cross = cross  # several hosts: this local rank's Gloo group with its peers on the others
         self.path = os.path.join(SHM_DIR, name)
         total = size * LINE + (size + 1) * SLOT_BYTES
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -103,9 +111,9 @@ class SharedMemoryGroup:
         per_round = max(SLOT_BYTES // flat.element_size(), 1)
         combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
         for start in range(0, flat.numel(), per_round):
-            self._round(flat[start: start + per_round], combine, combine_into)
+            self._round(flat[start: start + per_round], op, combine, combine_into)
 
-    def _round(self, chunk: torch.Tensor, combine: Combine, combine_into: CombineInto) -> None:
+    def _round(self, chunk: torch.Tensor, op: str, combine: Combine, combine_into: CombineInto) -> None:
         count, dtype = chunk.numel(), chunk.dtype
         slots = [slot[: count * chunk.element_size()].view(dtype) for slot in self._slots]
         slots[self.rank].copy_(chunk)
@@ -116,6 +124,8 @@ class SharedMemoryGroup:
             combine_into(slots[0][low:high], slots[1][low:high], mine)
             for slot in slots[2:]:
                 combine(mine, slot[low:high])
+            if self.cross is not None:  # hierarchical: this host's sum of the slice, with the other hosts'
+                dist.all_reduce(mine, CROSS_OPS[op], group=self.cross)
         self._arrive_and_wait("reducing")
         chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
 
