@@ -35,6 +35,17 @@ def trained(tmp_path: Path, name: str, launcher: list[str], *script_args: str) -
     return torch.load(out)
 
 
+_references: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+
+
+def reference(tmp_path: Path, workers: int, *script_args: str) -> dict[str, torch.Tensor]:
+    """px.DataParallel's weights for this launch, trained once per test session."""
+    key = (str(workers), *script_args)
+    if key not in _references:
+        _references[key] = trained(tmp_path, "dp", ["-n", str(workers)], "dp", *script_args)
+    return _references[key]
+
+
 def assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert got.keys() == expected.keys()
     for key in expected:
@@ -44,14 +55,13 @@ def assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 @pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
 def test_sync_parameter_servers_train_like_data_parallel(tmp_path: Path, workers: int, servers: int) -> None:
     """30 Adam steps through the custom-loop API give DataParallel's weights."""
-    reference = trained(tmp_path, "dp", ["-n", str(workers)], "dp")
     got = trained(tmp_path, "ps", ["-n", str(workers), "--servers", str(servers)], "sync")
-    assert_close(got, reference)
+    assert_close(got, reference(tmp_path, workers))
 
 
 def test_fit_with_servers_resumes_their_optimizer_state(tmp_path: Path) -> None:
     """An epoch, a stop, a resumed second epoch: the servers get their Adam state back from the checkpoint."""
-    reference = trained(tmp_path, "dp", ["-n", "2"], "dp", "--loop", "fit", "--epochs", "2")
+    expected = reference(tmp_path, 2, "--loop", "fit")
     checkpoints = str(tmp_path / "ckpt")
     trained(tmp_path, "first", ["-n", "2", "--servers", "2"], "sync", "--loop", "fit", "--epochs", "1",
             "--checkpoint-dir", checkpoints)
@@ -60,17 +70,16 @@ def test_fit_with_servers_resumes_their_optimizer_state(tmp_path: Path) -> None:
                   "--checkpoint-dir", checkpoints, "--verbose", "1")
     assert done.returncode == 0, done.stderr
     assert "resumed from" in done.stdout and "(epoch 1, step 15)" in done.stdout, done.stdout
-    assert_close(torch.load(out), reference)
+    assert_close(torch.load(out), expected)
     histories = re.findall(r"(worker|server) history (\{.*\})", done.stdout)
     assert len(histories) == 4 and len({h for _, h in histories}) == 1, histories  # the same on servers
 
 
 def test_central_storage_trains_like_data_parallel_with_state_on_one_rank(tmp_path: Path) -> None:
-    reference = trained(tmp_path, "dp", ["-n", "3"], "dp")
     out = tmp_path / "cs.pt"
     done = launch(tmp_path, ["-n", "3"], "cs", str(out))
     assert done.returncode == 0, done.stderr
-    assert_close(torch.load(out), reference)
+    assert_close(torch.load(out), reference(tmp_path, 3))
     entries = dict(re.findall(r"rank (\d) optimizer state entries (\d+)", done.stdout))
     assert entries == {"0": "4", "1": "0", "2": "0"}, done.stdout
 
@@ -107,13 +116,13 @@ def test_a_killed_server_is_named_on_every_worker(tmp_path: Path) -> None:
 
 def test_sync_servers_survive_a_lost_worker_under_min_workers(tmp_path: Path) -> None:
     """Rank 2 dies at step 5: the others re-form, redo the step as two, and end with DataParallel's weights."""
-    reference = trained(tmp_path, "dp", ["-n", "2"], "dp", "--loop", "fit")
+    expected = reference(tmp_path, 2, "--loop", "fit")
     out = tmp_path / "elastic.pt"
     done = launch(tmp_path, ["-n", "3", "--min-workers", "2", "--servers", "1"], "sync", str(out), "--loop", "fit",
                   "--kill-rank-at-step", "2", "5")
     assert done.returncode == 0, done.stderr
     assert "worker rank 2" in done.stderr and "lost" in done.stderr, done.stderr
-    assert_close(torch.load(out), reference)
+    assert_close(torch.load(out), expected)
     histories = re.findall(r"(?:worker|server) history (\{.*\})", done.stdout)
     assert len(histories) == 3 and len(set(histories)) == 1, histories
 
@@ -129,10 +138,10 @@ def test_async_servers_drop_a_lost_worker_and_go_on(tmp_path: Path) -> None:
 
 def test_servers_on_two_hosts_train_like_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
     """One worker and one server per host (two network namespaces): DataParallel's weights."""
-    reference = trained(tmp_path, "dp", ["-n", "2"], "dp")
+    expected = reference(tmp_path, 2)
     common = ["--timeout", "60", "-n", "1", "--servers", "1", "--nnodes", "2", "--master-addr", "198.18.0.1",
               "--master-port", "29531"]
     out = tmp_path / "hosts.pt"
     codes, outputs = run_on_hosts(two_hosts, common, [SCRIPT, "sync", str(out)], tmp_path, worker_env(), 120)
     assert codes == [0, 0], outputs
-    assert_close(torch.load(out), reference)
+    assert_close(torch.load(out), expected)

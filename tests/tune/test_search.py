@@ -86,7 +86,7 @@ def test_a_killed_search_started_again_completes_exactly_t_trials(tmp_path: Path
     space = write_space(tmp_path)
     command = tune_command("--space", space, "--trials", "3", "--metric", "loss", "--pruner", "none",
                            str(HERE / "objective.py"))
-    env = worker_env(OBJECTIVE_SLEEP="0.7")
+    env = worker_env(OBJECTIVE_SLEEP="0.4")
     search = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     seen = []
@@ -113,7 +113,7 @@ def test_a_killed_search_started_again_completes_exactly_t_trials(tmp_path: Path
 def test_two_searches_share_one_study(tmp_path: Path) -> None:
     space = write_space(tmp_path)
     storage = journal_url(tmp_path / "shared")
-    env = worker_env(OBJECTIVE_SLEEP="0.3")
+    env = worker_env(OBJECTIVE_SLEEP="0.15")
     searches = [subprocess.Popen(tune_command("--space", space, "--trials", "5", "--metric", "loss", "--pruner", "none",
                                               "--storage", storage, "--study-dir", f"host{k}",
                                               str(HERE / "objective.py")),
