@@ -14,15 +14,14 @@ import torch.distributed as dist
 
 import phalanx as px
 from phalanx.comm import runtime, shm
+from phalanx.comm.algorithms import BACKEND_OPS
 from tests.cli.test_launcher import phalanx_command, worker_env, write_script
 from tests.comm.test_algorithms import DTYPES, SIZES, _input
 from tests.harness import run_workers
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm here")
 
-OPS = ("sum", "avg", "min", "max", "product")
-GLOO_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-            "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
+OPS = tuple(BACKEND_OPS)
 
 
 def _shm_against_gloo() -> dict:
@@ -36,7 +35,7 @@ def _shm_against_gloo() -> dict:
                 tensor = _input(px.rank(), numel, dtype)
                 through_gloo = tensor.clone()
                 if px.size() > 1:
-                    dist.all_reduce(through_gloo, GLOO_OPS[op])
+                    dist.all_reduce(through_gloo, BACKEND_OPS[op])
                 if op == "avg":
                     through_gloo /= px.size()
                 out[(dtype, numel, op)] = (px.allreduce(tensor, op), through_gloo)

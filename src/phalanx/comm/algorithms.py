@@ -26,6 +26,10 @@ Combine = Callable[[torch.Tensor, torch.Tensor], None]
 
 ALGORITHMS = ("ring", "tree", "halving_doubling")
 
+#: The backend's operation for each op name ("avg" is summed, then divided: Gloo has no average).
+BACKEND_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+               "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
+
 
 def combiner(op: str) -> Combine:
     """``into <- into (op) other``, elementwise and in place."""

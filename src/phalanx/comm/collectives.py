@@ -30,13 +30,7 @@ from phalanx.errors import (
 S = TypeVar("S")
 T = TypeVar("T")
 
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,  # summed, then divided: Gloo has no native average
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "product": dist.ReduceOp.PRODUCT,
-}
+REDUCE_OPS = algorithms.BACKEND_OPS
 _OPERATIONS = ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,

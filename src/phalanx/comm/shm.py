@@ -43,8 +43,6 @@ SPIN_S = 50e-6  # then yield the core, in case the peer waits for it
 YIELD_S = 5e-3  # then sleep, in steps growing to 1 ms
 LIVENESS_EVERY_S = 0.05
 
-CROSS_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
-             "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 CombineInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -125,7 +123,7 @@ class SharedMemoryGroup:
             for slot in slots[2:]:
                 combine(mine, slot[low:high])
             if self.cross is not None:  # hierarchical: this host's sum of the slice, with the other hosts'
-                dist.all_reduce(mine, CROSS_OPS[op], group=self.cross)
+                dist.all_reduce(mine, algorithms.BACKEND_OPS[op], group=self.cross)
         self._arrive_and_wait("reducing")
         chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
 
