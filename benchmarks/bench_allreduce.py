@@ -1,6 +1,7 @@
 """Allreduce on one host: shared memory against Gloo and phalanx's algorithms over Gloo messages.
 
     python benchmarks/bench_allreduce.py [--worlds 2 3 4] [--reps 7]
+    python benchmarks/bench_allreduce.py --netns [--reps 5]     # root: 2 hosts x 2 workers, 1 Gbit/s
 
 For each world size one `phalanx run` job; inside it, for each tensor size (4 KB to 100 MB of
 float32) every variant runs once per repetition, in an order shuffled the same on every rank:
@@ -10,7 +11,9 @@ float32) every variant runs once per repetition, in an order shuffled the same o
   ring, tree, halving_doubling   px.allreduce_(algorithm=...) over Gloo point-to-point messages
 
 Reported on rank 0: median wall ms per allreduce, median CPU ms of the process per allreduce
-(all threads: spinning shows here), and the ratio Gloo / shm.
+(all threads: spinning shows here), and the ratio Gloo / shm. With --netns the job runs on two
+network namespaces joined by a 1 Gbit/s veth (bench_ddp.py's), two workers in each: "shm" is then
+the hierarchical allreduce (shared memory within a namespace, Gloo between), "gloo" the flat ring.
 """
 
 from __future__ import annotations
@@ -68,14 +71,39 @@ def _human(size: int) -> str:
     return f"{size >> 20} MB" if size >= 1 << 20 else f"{size >> 10} KB"
 
 
+def netns_job(reps: int) -> None:
+    from bench_ddp import NETNS, NETNS_ADDR, netns_down, netns_up
+
+    netns_up("1gbit")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+        launchers = [subprocess.Popen(
+            ["ip", "netns", "exec", NETNS[node], sys.executable, "-m", "phalanx", "run", "-n", "2", "--nnodes", "2",
+             "--node-rank", str(node), "--master-addr", NETNS_ADDR[0], "--master-port", "29561", "--no-prefix",
+             __file__, "--job", "--reps", str(reps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env) for node in (0, 1)]
+        outputs = [launcher.communicate(timeout=1200) for launcher in launchers]
+        if any(launcher.returncode for launcher in launchers):
+            raise SystemExit("\n".join(err[-2000:] for _, err in outputs))
+        print("| W | size | " + " | ".join(f"{v} ms (CPU ms)" for v in VARIANTS) + " | flat / hierarchical |")
+        print("|---" * (len(VARIANTS) + 3) + "|")
+        print(outputs[0][0], end="")
+    finally:
+        netns_down()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--netns", action="store_true", help="two namespaces of two workers, 1 Gbit/s (root)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         job(args.reps)
+        return
+    if args.netns:
+        netns_job(args.reps)
         return
     print("| W | size | " + " | ".join(f"{v} ms (CPU ms)" for v in VARIANTS) + " | Gloo / shm |")
     print("|---" * (len(VARIANTS) + 3) + "|")
