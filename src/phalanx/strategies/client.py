@@ -18,7 +18,7 @@ import torch
 
 from phalanx.comm import channel as channels, collectives, runtime
 from phalanx.comm.channel import Channel, ChannelClosed
-from phalanx.errors import CollectiveTimeoutError, ConfigurationError, ServerFailedError
+from phalanx.errors import CheckpointError, CollectiveTimeoutError, ConfigurationError, ServerFailedError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.reductions import Reduction, Waitable
 from phalanx.strategies import protocol as wire
@@ -309,6 +309,10 @@ class ServerOptimizer(HeldOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Hyperparameters here; parameters and optimizer state to the servers (collective over workers)."""
+        if "param_groups" not in state_dict:
+            raise CheckpointError(
+                "this state holds only a parameter-server job's step (an elastic commit, elastic-last.pt), not the "
+                "servers' optimizer state: resume from a regular checkpoint (checkpoint_every=N) instead.")
         state = dict(state_dict)
         step = int(state.pop("phalanx_step", 0))
         self.optimizer.load_state_dict({**state, "state": {}})
