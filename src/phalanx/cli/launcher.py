@@ -25,8 +25,8 @@ from typing import IO, Any, Iterator
 
 from phalanx.cli.config import LaunchConfig, WorkerSpec, job_id
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, connect_store, host_store
-from phalanx.comm import shm
 from phalanx.cli.workers import LaunchResult, OutputRelay, Worker, WorkerFailure, describe_exit
+from phalanx.comm import shm
 
 BOARD_POLL_S = 0.25
 OUTPUT_DRAIN_S = 3.0

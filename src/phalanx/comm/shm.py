@@ -82,6 +82,8 @@ class SharedMemoryGroup:
         self._result = raw[size * LINE + size * SLOT_BYTES:]
         self._pids[rank] = os.getpid()
         self._arrivals = 0
+        # More ranks than cores: a spinning rank would hold the core its peer needs, so yield at once.
+        self._spin_s = SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
         self._aborted = False
 
     def abort(self) -> None:
@@ -141,7 +143,7 @@ class SharedMemoryGroup:
                                              "(the process is leaving the group).")
             now = time.monotonic()
             waited = now - started
-            if waited < SPIN_S:
+            if waited < self._spin_s:
                 continue
             if waited < YIELD_S:
                 os.sched_yield()
