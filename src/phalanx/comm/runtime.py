@@ -346,21 +346,23 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
     """
     if transport == "gloo":
         return None
-    hosts = _hosts(info, store, generation)
-    local = hosts[_host_key()]
+    why_not = "the backend is NCCL" if backend != "gloo" else "this system has no /dev/shm" if not shm.available() \
+        else None
+    hosts = _hosts(info, store, generation) if why_not is None else {}  # store traffic only where it can matter
+    host = _host_key()
     sizes = {len(ranks) for ranks in hosts.values()}
-    why_not = ("the backend is NCCL" if backend != "gloo" else "this system has no /dev/shm" if not shm.available()
-               else "hosts run different numbers of workers" if len(sizes) > 1
-               else "every host runs a single worker" if sizes == {1} else None)
+    why_not = why_not or ("hosts run different numbers of workers" if len(sizes) > 1
+                          else "every host runs a single worker" if sizes == {1} else None)
     if why_not is not None:
         if transport == "shm":
             raise ConfigurationError(f"transport='shm' needs Gloo and several workers per host, but {why_not}; "
                                      "use transport='auto' or 'gloo'.")
         return None
-    cross = _cross_host_groups(hosts, local.index(info.rank), timeout_s) if len(hosts) > 1 else None
+    local = hosts[host]
     index = local.index(info.rank)
+    cross = _cross_host_groups(hosts, index, timeout_s) if len(hosts) > 1 else None
     name = shm.segment_name(_job_id(store), generation)
-    key = f"phalanx/g{generation}/shm/{_host_key()}"
+    key = f"phalanx/g{generation}/shm/{host}"
     if index == 0:
         group = shm.SharedMemoryGroup(name, 0, len(local), timeout_s, create=True, cross=cross)
         store.set(key, name)

@@ -164,9 +164,7 @@ class Server:
             with self.cond:
                 self.shard.apply(buffers, rates)
                 self.version += 1
-                reply = [flat.clone() for flat in self.shard.flats]
-            channel.send([wire.header(Status.OK, self.version)], wire.HEADER)
-            channel.send(reply, wire.GROUP_TAG)
+            self._reply_parameters(channel, Status.OK)
             return
         status, lost = self._push_sync(worker, buffers, step, generation, world, rates)
         if status is Status.OK:
@@ -238,12 +236,13 @@ class Server:
                            self.server, step)
 
     def _reply_parameters(self, channel: Channel, status: Status) -> None:
+        """The newest parameters: async pushes keep changing them, so a copy taken under the lock."""
         if self.mode == "async":
             with self.cond:
-                flats = [flat.clone() for flat in self.shard.flats]
+                version, flats = self.version, [flat.clone() for flat in self.shard.flats]
         else:
-            flats = self.shard.flats  # nothing changes them before every worker pushed again
-        channel.send([wire.header(status, self.version)], wire.HEADER)
+            version, flats = self.version, self.shard.flats  # nothing changes them before every worker pushed again
+        channel.send([wire.header(status, version)], wire.HEADER)
         channel.send(flats, wire.GROUP_TAG)
 
     def _take(self, flats: list[torch.Tensor], states: Any, resumed: bool) -> None:

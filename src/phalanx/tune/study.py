@@ -14,7 +14,6 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -143,10 +142,3 @@ def mark_alive(study: optuna.Study, trial_ids: list[int]) -> None:
 
 def record_error(study: optuna.Study, trial: optuna.Trial, message: str) -> None:
     study._storage.set_trial_system_attr(trial._trial_id, ERROR_ATTR, message)
-
-
-def summary(trial: FrozenTrial) -> dict[str, Any]:
-    """A trial as the report shows it."""
-    duration = trial.duration.total_seconds() if trial.duration is not None else float("nan")
-    return {"number": trial.number, "state": trial.state.name, "value": trial.value, **trial.params,
-            "duration_s": duration}
