@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,7 @@ def test_a_host_cut_off_the_network_is_declared_dead(tmp_path: Path, two_hosts: 
     recovery = first_change(result)["time"] - cut_at
     print(f"recovery (network cut to the next completed step): {recovery:.3f}s with --timeout 4")
     assert recovery < 4.0
-    assert "(node 1, member 2) is declared dead: no heartbeat" in node0.stderr
+    # member ids go to the launchers in the order they register, which the two hosts race for
+    assert re.search(r"\(node 1, member \d+\) is declared dead: no heartbeat", node0.stderr), node0.stderr
     assert result["size"] == 1 and result["steps"] == 60
     assert_matches_reference(result["weights"])
