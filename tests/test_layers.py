@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
-BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime"}
+BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime", "profile"}
 
 # What each part of the package may import besides itself. Anything not listed is refused.
 ALLOWED: dict[str, set[str]] = {
@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "atomic": {"errors"},
     "lifetime": set(),
     "rng": set(),
+    "profile": set(),
     "comm": BOTTOM,
     "parallel": BOTTOM | {"comm"},  # the engine knows nothing of loaders
     "data": BOTTOM | {"comm"},  # loaders know nothing of the engine
@@ -28,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "strategies": BOTTOM | {"comm", "parallel"},  # parameter servers, central storage: reductions and servers
     "tune": BOTTOM | {"comm"},  # the search (Optuna) and the trial's side of it, which px.fit reports through
     "train": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune"},
-    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune", "train", "root"},
+    "doctor": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune", "train"},
+    "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune", "train", "doctor", "root"},
 }
 
 

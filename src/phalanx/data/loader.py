@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from phalanx import rng
+from phalanx import profile, rng
 from phalanx.data._batch import MapData, TensorData, empty_like_batch, identity
 from phalanx.data._prefetch import Prefetcher
 from phalanx.data._stream import chunked, mark_last, shuffle_buffer
@@ -235,7 +235,7 @@ class DistributedLoader:
             source = Prefetcher(steps, self.prefetch)
         self._active = weakref.ref(source)
         try:
-            for step in source:
+            for step in profile.timed(source, "data"):
                 if self._data_check_pending:
                     self._check_same_data(step)
                 self._record(step)

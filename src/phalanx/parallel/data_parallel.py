@@ -9,6 +9,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from phalanx import profile
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel import batchnorm, reductions, replicate
@@ -32,14 +33,17 @@ class DataParallel(nn.Module):
     ``no_sync()`` skips reduction inside it. ``reduction`` says how a bucket is summed over ranks:
     ``None`` (as it is), ``"fp16"``, ``"bf16"``, ``px.TopK(ratio)``, or your own
     :class:`px.Reduction <phalanx.parallel.reductions.Reduction>`; ``compression`` is its older
-    name. ``check_finite`` raises on every rank when an averaged gradient holds NaN or Inf. At
-    world size 1 nothing is hooked and the wrapper costs nothing.
+    name. ``algorithm`` is how buckets cross the network: ``"auto"`` (shared memory within a host;
+    between hosts, or without shared memory, the algorithm the measured alpha-beta model predicts
+    fastest for each bucket), ``"backend"``, ``"ring"``, ``"tree"`` or ``"halving_doubling"`` (see
+    docs/transport.md). ``check_finite`` raises on every rank when an averaged gradient holds NaN
+    or Inf. At world size 1 nothing is hooked and the wrapper costs nothing.
     """
 
     def __init__(self, module: nn.Module, fusion_threshold_mb: float | str = DEFAULT_FUSION_THRESHOLD_MB,
                  reduction: str | reductions.Reduction | None = None, accumulate_steps: int = 1,
                  sync_batchnorm: bool = False, check_finite: bool = False, broadcast: bool = True,
-                 compression: str | reductions.Reduction | None = None):
+                 compression: str | reductions.Reduction | None = None, algorithm: str = "auto"):
         super().__init__()
         if accumulate_steps < 1:
             raise ConfigurationError(f"accumulate_steps must be at least 1, got {accumulate_steps}.")
@@ -57,7 +61,7 @@ class DataParallel(nn.Module):
             replicate.broadcast_state(self.module)
         if reduction is not None and compression is not None:
             raise ConfigurationError("pass reduction= or its older name compression=, not both.")
-        self._reduction = reductions.resolve(reduction if reduction is not None else compression)
+        self._reduction = profile.wrap(reductions.resolve(reduction if reduction is not None else compression))
         self._check_finite = check_finite
         self.reducer = self._make_reducer(threshold)
 
@@ -135,6 +139,7 @@ class DataParallel(nn.Module):
             self._micro_step += 1
             self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0
             self.reducer.expect_backward(local_samples)
+        profile.mark("forward" if self.training else "eval_forward", samples=local_samples)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from phalanx import profile
 from phalanx.comm import collectives, runtime
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
@@ -163,6 +164,7 @@ class GradientReducer:
         return on_gradient_ready
 
     def _begin_backward(self, queue_finish: bool) -> None:
+        profile.mark("backward")
         self._in_backward = True
         self.summation.begin_backward()
         self._next_launch = 0
