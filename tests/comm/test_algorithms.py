@@ -95,18 +95,29 @@ def test_the_cost_model_prefers_few_messages_when_small_and_few_bytes_when_large
     assert predict("tree", 123, 1, link) == 0.0
 
 
-def _auto_over_messages() -> tuple[float, float, list[str], list[float]]:
+def test_auto_weighs_the_backends_own_ring_by_its_own_figures() -> None:
+    from phalanx.comm.cost import Link, choose_with_backend
+
+    slow_messages = Link(alpha_s=2e-3, beta_s_per_byte=1e-9, backend=Link(alpha_s=50e-6, beta_s_per_byte=1e-9))
+    assert choose_with_backend(4 << 10, 4, slow_messages) == "backend"  # loopback here: Python messages are slow
+    alike = Link(alpha_s=50e-6, beta_s_per_byte=1e-9)  # no figures of its own: the backend is the ring
+    assert choose_with_backend(4 << 10, 8, alike) == "halving_doubling"
+    assert choose_with_backend(64 << 20, 2, alike) == "backend"
+
+
+def _auto_over_messages() -> tuple[float, float, list[str], list[float], float]:
     from phalanx.comm import collectives
 
     tensors = [torch.full((n,), float(px.rank() + 1)) for n in (1, 1000, 300_000)]
     chosen = [collectives._cheapest(tensor) for tensor in tensors]  # what "auto" runs without shared memory
     results = [float(px.allreduce(tensor, algorithm=name)[0]) for tensor, name in zip(tensors, chosen)]
     measured = collectives.link()
-    return measured.alpha_s, measured.beta_s_per_byte, chosen, results
+    return measured.alpha_s, measured.beta_s_per_byte, chosen, results, measured.backend.alpha_s
 
 
 def test_auto_measures_the_link_once_and_every_rank_agrees() -> None:
     results = run_workers(_auto_over_messages, 3)
-    assert len({(alpha, beta, tuple(chosen)) for alpha, beta, chosen, _ in results}) == 1  # rank 0's figures
+    assert len({(alpha, beta, tuple(chosen)) for alpha, beta, chosen, *_ in results}) == 1  # rank 0's figures
     assert all(alpha > 0 for alpha, *_ in results)
-    assert all(values == [6.0, 6.0, 6.0] for *_, values in results)
+    assert all(backend_alpha > 0 for *_, backend_alpha in results)
+    assert all(values == [6.0, 6.0, 6.0] for _, _, _, values, _ in results)

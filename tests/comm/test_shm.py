@@ -144,6 +144,12 @@ HIERARCHICAL_SCRIPT = """\
             expected = sum(torch.arange(numel, dtype=torch.float64).to(dtype) + r for r in range(world))
             assert torch.equal(px.allreduce(mine), expected), (dtype, numel)
             assert torch.equal(px.allreduce(mine, "max"), mine - rank + world - 1), (dtype, numel)
+    for algorithm in ("auto", "tree", "halving_doubling", "ring"):  # how each slice crosses hosts
+        mine = torch.arange(300_001, dtype=torch.float64) * (rank + 1)
+        expected = torch.arange(300_001, dtype=torch.float64) * sum(range(1, world + 1))
+        assert torch.equal(px.allreduce(mine, algorithm=algorithm), expected), algorithm
+        assert torch.equal(px.allreduce(torch.tensor([rank + 1.0]), algorithm=algorithm), torch.tensor([10.0]))
+    assert group.cross_link is not None and group.cross_link.alpha_s > 0, "auto did not measure the link"
     print(f"rank {rank}: hierarchical allreduce ok", flush=True)
 """
 

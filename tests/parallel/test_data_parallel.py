@@ -86,6 +86,10 @@ CASES = {
     "accumulate-2": {"model": "mlp", "samples": 12, "micro": 2, "options": {"accumulate_steps": 2}},
     "no-sync": {"model": "cnn", "samples": 12, "micro": 2, "no_sync_first": True},
     "sync-batchnorm": {"model": "cnn_bn", "samples": 12, "options": {"sync_batchnorm": True}},
+    # phalanx's own algorithms on their background thread, one bucket per tensor, beside backward
+    "tree-algorithm": {"model": "mlp", "samples": 7, "options": {"algorithm": "tree", "fusion_threshold_mb": 0}},
+    "halving-doubling": {"model": "cnn", "samples": 12,
+                         "options": {"algorithm": "halving_doubling", "fusion_threshold_mb": 0.001}},
 }
 
 

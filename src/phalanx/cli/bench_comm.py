@@ -29,11 +29,13 @@ def main() -> None:
     px.init(transport=args.transport)
     link = collectives.measure_link()
     world, uses_shm = px.size(), runtime.shm_executor() is not None
+    backend = link.backend or link
     _say(f"{world} workers; alpha {link.alpha_s * 1e6:.1f} us, beta {link.beta_s_per_byte * 1e9:.3f} ns/B "
-         f"({link.bandwidth_gbit:.1f} Gbit/s) between ranks 0 and 1 over Gloo; shared memory: "
+         f"({link.bandwidth_gbit:.1f} Gbit/s) between ranks 0 and 1 over Gloo messages; Gloo's own ring fits "
+         f"alpha {backend.alpha_s * 1e6:.1f} us, beta {backend.beta_s_per_byte * 1e9:.3f} ns/B; shared memory: "
          f"{'in use' if uses_shm else 'not in use'}")
     names = ("ring", "tree", "halving_doubling")
-    _say("| size | gloo ms | " + " | ".join(f"{n} ms (predicted)" for n in names)
+    _say("| size | gloo ms (predicted) | " + " | ".join(f"{n} ms (predicted)" for n in names)
          + (" | shm ms" if uses_shm else "") + " | auto picks |")
     _say("|---" * (len(names) + 3 + uses_shm) + "|")
     for size in SIZES:
@@ -42,8 +44,9 @@ def main() -> None:
         cells = [f"{_time(lambda n=name: px.allreduce_(tensor, check=False, algorithm=n), args.reps):.2f} "
                  f"({cost.predict(name, size, world, link) * 1e3:.2f})" for name in names]
         shm_cell = [f"{_time(lambda: px.allreduce_(tensor, check=False), args.reps):.2f}"] if uses_shm else []
-        picked = "shared memory" if uses_shm else collectives._cheapest(tensor)
-        _say(f"| {_human(size)} | {gloo:.2f} | " + " | ".join(cells + shm_cell) + f" | {picked} |")
+        picked = "shared memory" if uses_shm else cost.choose_with_backend(size, world, link)
+        _say(f"| {_human(size)} | {gloo:.2f} ({cost.predict('ring', size, world, backend) * 1e3:.2f}) | "
+             + " | ".join(cells + shm_cell) + f" | {picked} |")
 
 
 def _time(run: object, reps: int) -> float:

@@ -58,6 +58,27 @@ def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGr
     run(flat, combiner(op), dist.get_rank(group), size, group)
 
 
+class MessageGroup:
+    """Phalanx's algorithms over a Gloo group of their own, for :class:`~phalanx.comm.ordered.OrderedExecutor`.
+
+    The group is used by the executor's thread only, so an algorithm can run beside backward
+    while the main thread's collectives use the default group (a Gloo group must not be driven
+    from two threads). Every wait is bounded by the group's timeout.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str) -> None:
+        allreduce(flat, op, algorithm, self.group)
+
+    def abort(self) -> None:
+        """Nothing to interrupt: a wait ends with the group's timeout or a peer's closed socket."""
+
+    def close(self) -> None:
+        """The group goes with the default group it was created beside."""
+
+
 def _exchange(send: torch.Tensor | None, to: int, receive: torch.Tensor | None, source: int,
               group: dist.ProcessGroup | None) -> None:
     """Send and receive at once (either may be empty or absent); wait for both."""

@@ -102,9 +102,10 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
 
     ``algorithm`` is ``"backend"`` (torch.distributed's own: Gloo's ring, NCCL's choice, or shared
     memory when the transport is), one of phalanx's over point-to-point messages, ``"ring"``,
-    ``"tree"``, ``"halving_doubling"`` (see :mod:`phalanx.comm.algorithms`; they run to completion
-    before returning, also with ``async_op``), or ``"auto"``: shared memory where it is in use,
-    else the algorithm the alpha-beta model of :mod:`phalanx.comm.cost` predicts fastest.
+    ``"tree"``, ``"halving_doubling"`` (see :mod:`phalanx.comm.algorithms`; they run on a thread
+    of their own, so ``async_op`` overlaps them), or ``"auto"``: shared memory where it is in use,
+    else the algorithm the alpha-beta model of :mod:`phalanx.comm.cost` predicts fastest. In a
+    hierarchical allreduce (shared memory on several hosts) it names how each slice crosses hosts.
     """
     return _allreduce_into(tensor.clone(), op, async_op, check, algorithm)
 
@@ -342,38 +343,45 @@ def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
     if check:  # the algorithm is part of the record: ranks that disagree would exchange garbage
         _check("allreduce", tensor, REDUCE_OPS_INDEX[op] + len(REDUCE_OPS) * ALLREDUCE_ALGORITHMS.index(algorithm))
     scale = _averaging(op, tensor)
-    executor = runtime.shm_executor()
-    if algorithm in ("backend", "auto") and executor is not None and not tensor.is_cuda:
-        return _shm_allreduce(executor, tensor, op, scale, async_op)
-    if algorithm == "auto":
-        algorithm = _cheapest(tensor)
-    if algorithm == "backend":
+    if tensor.is_cuda and algorithm in algorithms.ALGORITHMS:
+        raise ConfigurationError(f"algorithm={algorithm!r} reduces CPU tensors; for CUDA tensors NCCL chooses its "
+                                 "own algorithm: use algorithm='backend' or 'auto'.")
+    if tensor.is_cuda or runtime.size() == 1:  # NCCL chooses its own algorithm
         return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
                        lambda: scale(tensor), async_op)
-    if runtime.size() > 1:
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        with translate_errors(f"allreduce ({algorithm})"):
-            algorithms.allreduce(flat, op, algorithm, _group(tensor))
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-    return _done(scale(tensor), async_op)
+    executor, algorithm = _route(algorithm, tensor)
+    if executor is None:
+        return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
+                       lambda: scale(tensor), async_op)
+    return _through(executor, tensor, op, algorithm, scale, async_op)
+
+
+def _route(algorithm: str, tensor: torch.Tensor) -> tuple[Any, str]:
+    """Who runs a CPU allreduce, and with which algorithm for the part that crosses the network.
+
+    Shared memory takes ``"backend"`` and ``"auto"``, and on several hosts every algorithm (it
+    then names how each slice crosses hosts). Otherwise ``"auto"`` becomes the cost model's choice;
+    Gloo's own ring runs as it is (``None``), phalanx's algorithms on their executor.
+    """
+    shared = runtime.shm_executor()
+    if shared is not None and (algorithm in ("backend", "auto") or shared.group.cross is not None):
+        return shared, algorithm
+    if algorithm == "auto":
+        algorithm = _cheapest(tensor)
+    return (None, algorithm) if algorithm == "backend" else (runtime.message_executor(), algorithm)
 
 
 _links: dict[int, cost.Link] = {}  # measured once per group (key: the group object's id)
 
 
 def _cheapest(tensor: torch.Tensor) -> str:
-    """The algorithm the alpha-beta model predicts fastest for ``tensor`` (Gloo's own ring stands
-    for the ring: the same steps, in C++). Measures the link on first use: every rank is here."""
-    group, world = _group(tensor), runtime.size()
-    if world == 1:
-        return "backend"
+    """The algorithm the alpha-beta model predicts fastest for ``tensor``. Measures the link on
+    first use: every rank is here."""
+    group = _group(tensor)
     if id(group) not in _links:
         with translate_errors("allreduce (measuring the link)"):
             _links[id(group)] = cost.measure(group)
-    choice = cost.choose(tensor.numel() * tensor.element_size(), world, _links[id(group)],
-                         ("ring", "tree", "halving_doubling"))
-    return "backend" if choice == "ring" else choice
+    return cost.choose_with_backend(tensor.numel() * tensor.element_size(), runtime.size(), _links[id(group)])
 
 
 def link() -> cost.Link | None:
@@ -389,9 +397,10 @@ def measure_link() -> cost.Link:
     return _links[id(group)]
 
 
-def _shm_allreduce(executor: Any, tensor: torch.Tensor, op: str, scale: Callable[[torch.Tensor], torch.Tensor],
-                   async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
-    """Through the host's shared memory, in the executor's order (see :mod:`phalanx.comm.shm`)."""
+def _through(executor: Any, tensor: torch.Tensor, op: str, algorithm: str,
+             scale: Callable[[torch.Tensor], torch.Tensor], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    """On one of the runtime's ordered executors (shared memory, or phalanx's algorithms), in the
+    order of submission: see :mod:`phalanx.comm.ordered`."""
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
     def finish() -> torch.Tensor:
@@ -399,12 +408,12 @@ def _shm_allreduce(executor: Any, tensor: torch.Tensor, op: str, scale: Callable
             tensor.copy_(flat.view_as(tensor))
         return scale(tensor)
 
-    name = "allreduce (shared memory)"
+    name = "allreduce (shared memory)" if executor is runtime.shm_executor() else f"allreduce ({algorithm})"
     if not async_op:
         with translate_errors(name):
-            executor.run(flat, op)
+            executor.run(flat, op, algorithm)
         return finish()
-    return Handle(name, _FutureWork(executor.submit(flat, op)), finish)
+    return Handle(name, _FutureWork(executor.submit(flat, op, algorithm)), finish)
 
 
 class _FutureWork:

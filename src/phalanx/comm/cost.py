@@ -9,7 +9,9 @@ docs/transport.md for the derivations):
   power of two)
 
 :func:`measure` times ping-pongs between ranks 0 and 1 of the group: the median half round trip of
-a one-element message is alpha, and the extra time of a 4 MiB one per byte is beta. Rank 0's
+a one-element message is alpha, and the extra time of a 4 MiB one per byte is beta. The backend's
+own allreduce (Gloo's ring, in C++) gets figures of its own, fitted to the ring's formula from its
+times at the same two sizes: its per-step cost is not that of Python-driven messages. Rank 0's
 figures are broadcast, so every rank computes the same choice.
 """
 
@@ -33,6 +35,8 @@ class Link:
 
     alpha_s: float
     beta_s_per_byte: float
+    #: The backend's own ring, fitted to the ring's formula (``None``: assume the same figures).
+    backend: Link | None = None
 
     @property
     def bandwidth_gbit(self) -> float:
@@ -60,16 +64,39 @@ def choose(nbytes: int, world: int, link: Link, algorithms: tuple[str, ...]) -> 
     return min(algorithms, key=lambda name: predict(name, nbytes, world, link))
 
 
+def choose_with_backend(nbytes: int, world: int, link: Link) -> str:
+    """The cheapest of phalanx's algorithms, with the backend's own ring (the same steps, in C++)
+    standing for ``"ring"``: returns ``"backend"``, ``"tree"`` or ``"halving_doubling"``."""
+    costs = {name: predict(name, nbytes, world, link) for name in ("tree", "halving_doubling")}
+    costs["backend"] = predict("ring", nbytes, world, link.backend or link)
+    return min(("backend", "tree", "halving_doubling"), key=costs.__getitem__)
+
+
 def measure(group: dist.ProcessGroup | None) -> Link:
     """Ping-pong between ranks 0 and 1 of ``group`` (collective: every rank calls it)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    figures = torch.zeros(2, dtype=torch.float64)
+    figures = torch.zeros(4, dtype=torch.float64)
     if rank < 2 and world > 1:
         small = _round_trip(torch.zeros(1), rank, group)
         large = _round_trip(torch.zeros(LARGE_BYTES // 4), rank, group)
         figures[0], figures[1] = small / 2, max(large / 2 - small / 2, 0.0) / LARGE_BYTES
-    dist.broadcast(figures, 0, group=group)
-    return Link(float(figures[0]), float(figures[1]))
+    if world > 1:  # every rank takes part in the backend's allreduce
+        small, large = _backend_time(torch.zeros(1), group), _backend_time(torch.zeros(LARGE_BYTES // 4), group)
+        figures[2] = small / (2 * (world - 1))
+        figures[3] = max(large - small, 0.0) / (2 * (world - 1) / world * LARGE_BYTES)
+    dist.broadcast(figures, _global(group, 0), group=group)
+    return Link(float(figures[0]), float(figures[1]), backend=Link(float(figures[2]), float(figures[3])))
+
+
+def _backend_time(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    """The median time of the backend's own allreduce of ``tensor`` over ``group``."""
+    times = []
+    for _ in range(ROUNDS):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def _round_trip(tensor: torch.Tensor, rank: int, group: dist.ProcessGroup | None) -> float:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import shm
+from phalanx.comm import algorithms, shm
 from phalanx.comm.environment import LaunchInfo, detect
+from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.membership import (
     ELASTIC_ENV,
     MEMBER_ENV,
@@ -58,7 +59,10 @@ class _Runtime:
     membership: Membership | None = None
     sockets: dict[str, int] = dataclasses.field(default_factory=dict)  # the group's connections
     transport: str = "auto"
-    shm: shm.Executor | None = None  # allreduce through shared memory (all ranks on this host)
+    shm: OrderedExecutor | None = None  # allreduce through shared memory (hierarchical across hosts)
+    #: phalanx's own algorithms on a Gloo group of their own; created by the first collective call
+    #: that needs it (the one field set after construction)
+    messages: OrderedExecutor | None = None
 
 
 _runtime: _Runtime | None = None
@@ -120,8 +124,8 @@ def _shutdown(done: bool) -> None:
         _elastic = None
     if not done and _runtime is not None:
         shutdown_sockets(_runtime.sockets)
-    if _runtime is not None and _runtime.shm is not None:
-        _runtime.shm.close()
+    if _runtime is not None:
+        _close_executors(_runtime)
     if _runtime is not None and _runtime.store is not None and dist.is_initialized():
         dist.destroy_process_group()
     _runtime = None
@@ -239,9 +243,25 @@ def group_for(tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
     return runtime.cpu_group
 
 
-def shm_executor() -> shm.Executor | None:
+def shm_executor() -> OrderedExecutor | None:
     """The shared-memory allreduce of this group, when its transport is shared memory."""
     return _runtime.shm if _runtime else None
+
+
+def message_executor() -> OrderedExecutor:
+    """The executor of phalanx's own allreduce algorithms (:mod:`phalanx.comm.algorithms`) on a Gloo
+    group of their own, created at the first call: a collective, every rank calls it at the same point."""
+    runtime = _require_runtime()
+    if runtime.messages is None:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runtime.timeout_s))
+        runtime.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
+    return runtime.messages
+
+
+def _close_executors(runtime: _Runtime) -> None:
+    for executor in (runtime.shm, runtime.messages):
+        if executor is not None:
+            executor.close()
 
 
 def store() -> Any:
@@ -336,7 +356,7 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
 
 
 def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, backend: str,
-              timeout_s: float) -> shm.Executor | None:
+              timeout_s: float) -> OrderedExecutor | None:
     """Map this host's segment of this generation when the transport allows it.
 
     All ranks on one host: the allreduce is the shared-memory one. Several hosts with the same
@@ -372,7 +392,7 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
     dist.barrier()
     if index == 0:
         group.unlink()  # every rank has it mapped: nothing is left in /dev/shm, whatever happens next
-    return shm.Executor(group)
+    return OrderedExecutor(group, "shm")
 
 
 def _cross_host_groups(hosts: dict[str, list[int]], mine: int, timeout_s: float) -> dist.ProcessGroup:
@@ -476,8 +496,7 @@ def rejoin(reason: str = "failure") -> Membership:
     if reason == "failure":
         mark_broken()
     _leave_group()
-    if current.shm is not None:
-        current.shm.close()
+    _close_executors(current)
     base, generation = current.info, current.generation
     _runtime = _Runtime(dataclasses.replace(base, rank=0, world_size=1), current.timeout_s, current.backend,
                         current.device, store=current.store, generation=-1, transport=current.transport)

@@ -20,18 +20,15 @@ launcher also removes its job's names, for a worker killed in between.
 
 from __future__ import annotations
 
-import concurrent.futures
 import mmap
 import os
-import queue
-import threading
 import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import algorithms
+from phalanx.comm import algorithms, cost
 from phalanx.errors import CollectiveTimeoutError
 from phalanx.lifetime import is_alive
 
@@ -63,6 +60,7 @@ class SharedMemoryGroup:
                  cross: dist.ProcessGroup | None = None):
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
         self.cross = cross  # several hosts: this local rank's Gloo group with its peers on the others
+        self.cross_link: cost.Link | None = None  # measured at the first "auto" allreduce
         self.path = os.path.join(SHM_DIR, name)
         total = size * LINE + (size + 1) * SLOT_BYTES
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -106,14 +104,20 @@ class SharedMemoryGroup:
         except BufferError:  # a tensor still views it: the mapping goes with the process
             pass
 
-    def allreduce_(self, flat: torch.Tensor, op: str) -> None:
-        """Reduce the 1-D contiguous CPU tensor ``flat`` over the host's ranks with ``op``, in place."""
+    def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str = "backend") -> None:
+        """Reduce the 1-D contiguous CPU tensor ``flat`` over the job's ranks with ``op``, in place.
+
+        ``algorithm`` is how each slice crosses hosts (hierarchical only): ``"backend"`` (Gloo's
+        ring), one of :data:`phalanx.comm.algorithms.ALGORITHMS`, or ``"auto"`` (the cost model's
+        choice for the slice's size, with the link between hosts measured at its first use).
+        """
         per_round = max(SLOT_BYTES // flat.element_size(), 1)
         combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
         for start in range(0, flat.numel(), per_round):
-            self._round(flat[start: start + per_round], op, combine, combine_into)
+            self._round(flat[start: start + per_round], op, algorithm, combine, combine_into)
 
-    def _round(self, chunk: torch.Tensor, op: str, combine: Combine, combine_into: CombineInto) -> None:
+    def _round(self, chunk: torch.Tensor, op: str, algorithm: str, combine: Combine,
+               combine_into: CombineInto) -> None:
         count, dtype = chunk.numel(), chunk.dtype
         slots = [slot[: count * chunk.element_size()].view(dtype) for slot in self._slots]
         slots[self.rank].copy_(chunk)
@@ -125,9 +129,21 @@ class SharedMemoryGroup:
             for slot in slots[2:]:
                 combine(mine, slot[low:high])
             if self.cross is not None:  # hierarchical: this host's sum of the slice, with the other hosts'
-                dist.all_reduce(mine, algorithms.BACKEND_OPS[op], group=self.cross)
+                self._across_hosts(mine, op, algorithm)
         self._arrive_and_wait("reducing")
         chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
+
+    def _across_hosts(self, mine: torch.Tensor, op: str, algorithm: str) -> None:
+        """Allreduce this rank's slice with the same local rank of the other hosts."""
+        if algorithm == "auto":
+            if self.cross_link is None:  # every member of this cross group is at the same round
+                self.cross_link = cost.measure(self.cross)
+            algorithm = cost.choose_with_backend(mine.numel() * mine.element_size(),
+                                                 dist.get_world_size(self.cross), self.cross_link)
+        if algorithm == "backend":
+            dist.all_reduce(mine, algorithms.BACKEND_OPS[op], group=self.cross)
+        else:
+            algorithms.allreduce(mine, op, algorithm, self.cross)
 
     def _arrive_and_wait(self, phase: str) -> None:
         """Publish this rank's arrival and wait for every rank's: spin, then yield, then sleep."""
@@ -179,62 +195,3 @@ def remove_job_segments(job: str) -> list[str]:
             except OSError:
                 pass
     return removed
-
-
-class Executor:
-    """Runs the process's shared-memory allreduces in submission order.
-
-    Every rank issues its collectives in the same order, so one FIFO keeps them matched across
-    ranks whether they come from the user's thread or the gradient engine's hooks. Asynchronous
-    ones run on one background (daemon) thread, beside backward (torch's kernels release the
-    GIL); a synchronous one runs on the caller's thread when nothing is queued, saving two thread
-    hand-offs. ``close`` aborts a wait in progress, so a failing process never waits for peers.
-    """
-
-    def __init__(self, group: SharedMemoryGroup):
-        self.group = group
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._state = threading.Lock()
-        self._pending = 0
-        self._thread = threading.Thread(target=self._serve, name="phalanx-shm", daemon=True)
-        self._thread.start()
-
-    def submit(self, flat: torch.Tensor, op: str) -> concurrent.futures.Future:
-        """Queue an allreduce behind the others; its future completes when it has."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._state:
-            self._pending += 1
-        self._queue.put((flat, op, future))
-        return future
-
-    def run(self, flat: torch.Tensor, op: str) -> None:
-        """An allreduce now: inline when the queue is empty, else behind the queued ones."""
-        with self._state:
-            inline = self._pending == 0
-            if inline:
-                self._pending += 1
-        if not inline:
-            self.submit(flat, op).result()
-            return
-        try:
-            self.group.allreduce_(flat, op)
-        finally:
-            with self._state:
-                self._pending -= 1
-
-    def _serve(self) -> None:
-        while (task := self._queue.get()) is not None:
-            flat, op, future = task
-            try:
-                self.group.allreduce_(flat, op)
-                future.set_result(None)
-            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(error)
-            finally:
-                with self._state:
-                    self._pending -= 1
-
-    def close(self) -> None:
-        self.group.abort()
-        self._queue.put(None)
-        self.group.close()

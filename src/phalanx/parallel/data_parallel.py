@@ -61,7 +61,12 @@ class DataParallel(nn.Module):
             replicate.broadcast_state(self.module)
         if reduction is not None and compression is not None:
             raise ConfigurationError("pass reduction= or its older name compression=, not both.")
-        self._reduction = profile.wrap(reductions.resolve(reduction if reduction is not None else compression))
+        if algorithm not in collectives.ALLREDUCE_ALGORITHMS:
+            raise ConfigurationError(f"algorithm must be one of {list(collectives.ALLREDUCE_ALGORITHMS)}, "
+                                     f"got {algorithm!r}.")
+        resolved = reductions.resolve(reduction if reduction is not None else compression)
+        resolved.algorithm = algorithm
+        self._reduction = profile.wrap(resolved)
         self._check_finite = check_finite
         self.reducer = self._make_reducer(threshold)
 

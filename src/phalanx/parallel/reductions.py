@@ -54,6 +54,10 @@ class Reduction:
     #: Whether buckets follow the order in which gradients became ready in the first step (rank
     #: 0's, agreed by one broadcast). A reduction with a layout of its own sets False.
     follows_gradient_order = True
+    #: How the allreduce crosses the network (``px.DataParallel(algorithm=...)`` sets it): ``"auto"``
+    #: (shared memory within a host, the cost model's choice between hosts), ``"backend"``,
+    #: ``"ring"``, ``"tree"`` or ``"halving_doubling"``; see :func:`phalanx.comm.collectives.allreduce`.
+    algorithm = "auto"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -62,7 +66,7 @@ class Reduction:
 
     def reduce(self, bucket: Bucket) -> Waitable:
         """Start summing ``bucket.flat`` over ranks; the returned handle's ``wait()`` completes it."""
-        return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False)
+        return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False, algorithm=self.algorithm)
 
     def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
         """The parameter indices of each bucket, in launch order; by default the reducer's plan
@@ -94,7 +98,7 @@ class Cast(Reduction):
         if bucket.flat.dtype == self.dtype or not bucket.flat.is_floating_point():
             return super().reduce(bucket)
         compact = bucket.flat.to(self.dtype)
-        handle = collectives.allreduce_(compact, "sum", async_op=True, check=False)
+        handle = collectives.allreduce_(compact, "sum", async_op=True, check=False, algorithm=self.algorithm)
         return collectives.then(handle, lambda _: bucket.flat.copy_(compact))
 
 
