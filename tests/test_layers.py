@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "tune": BOTTOM | {"comm"},  # the search (Optuna) and the trial's side of it, which px.fit reports through
     "train": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune"},
     "doctor": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune", "train"},
+    "horovod": BOTTOM | {"comm", "parallel", "data", "elastic", "train", "strategies"},  # Horovod's API on phalanx
     "cli": BOTTOM | {"comm", "parallel", "data", "elastic", "strategies", "tune", "train", "doctor", "root"},
 }
 

@@ -12,7 +12,9 @@ Each is typed by ``async_op``: the default gives the result, ``async_op=True`` a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import pickle
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Literal, Sequence, TypeVar, overload
 
 import torch
@@ -31,7 +33,8 @@ S = TypeVar("S")
 T = TypeVar("T")
 
 REDUCE_OPS = algorithms.BACKEND_OPS
-_OPERATIONS = ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
+_OPERATIONS = ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier", "join")
+_JOIN = _OPERATIONS.index("join")
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
@@ -64,6 +67,58 @@ class Handle(Generic[T]):
     def is_completed(self) -> bool:
         """Whether ``wait()`` would return without blocking."""
         return self._result is not None or self._work is None or self._work.is_completed()
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A subgroup of the workers that collectives can be restricted to (see :func:`within`).
+
+    ``ranks`` are global ranks in ascending order; a collective's ranks, size and roots are
+    positions in it. ``cpu_group`` carries CPU tensors and ``device_group`` CUDA ones.
+    """
+
+    ranks: tuple[int, ...]
+    cpu_group: dist.ProcessGroup
+    device_group: dist.ProcessGroup
+
+
+_scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("phalanx_collective_scope", default=None)
+
+
+@contextlib.contextmanager
+def within(scope: Scope | None) -> Iterator[None]:
+    """Restrict the collectives called inside to ``scope``'s ranks (``None``: every worker).
+
+    Checks, error translation, averaging and async handles work as for the whole job; roots are
+    positions within the scope. The allreduce goes through the backend (never shared memory,
+    which spans every worker of the host). Only members of the scope may enter it.
+    """
+    if scope is not None and runtime.rank() not in scope.ranks:
+        raise ConfigurationError(
+            f"rank {runtime.rank()} is not a member of the group of ranks {list(scope.ranks)}: only its "
+            "members may run its collectives."
+        )
+    token = _scope.set(scope)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def _size() -> int:
+    scope = _scope.get()
+    return runtime.size() if scope is None else len(scope.ranks)
+
+
+def _rank() -> int:
+    scope = _scope.get()
+    return runtime.rank() if scope is None else scope.ranks.index(runtime.rank())
+
+
+def _global_rank(rank: int) -> int:
+    """The global rank of position ``rank`` in the current scope (the torch.distributed calls' root)."""
+    scope = _scope.get()
+    return rank if scope is None else scope.ranks[rank]
 
 
 @contextlib.contextmanager
@@ -107,6 +162,8 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
     else the algorithm the alpha-beta model of :mod:`phalanx.comm.cost` predicts fastest. In a
     hierarchical allreduce (shared memory on several hosts) it names how each slice crosses hosts.
     """
+    if _scope.get() is not None:
+        return _allreduce_in_scope(tensor.clone(), op, async_op, check)
     return _allreduce_into(tensor.clone(), op, async_op, check, algorithm)
 
 
@@ -119,7 +176,20 @@ def allreduce_(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
 def allreduce_(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
     """Like :func:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
+    if _scope.get() is not None:
+        return _allreduce_in_scope(tensor, op, async_op, check)
     return _allreduce_into(tensor, op, async_op, check, algorithm)
+
+
+def _allreduce_in_scope(tensor: torch.Tensor, op: str, async_op: bool,
+                        check: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    """The allreduce of a :func:`within` scope: the backend's, over the scope's group."""
+    reduce_op = _reduce_op(op, tensor)
+    if check:
+        _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
+    scale = _averaging(op, tensor)
+    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
+                   lambda: scale(tensor), async_op)
 
 
 @overload
@@ -156,13 +226,13 @@ def broadcast_tensors_(tensors: Sequence[torch.Tensor], root: int = 0) -> None:
     they are.
     """
     _check_root(root)
-    if runtime.size() == 1:
+    if _size() == 1:
         return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         if tensor.numel():
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    is_root = runtime.rank() == root
+    is_root = _rank() == root
     with torch.no_grad():
         for (dtype, device), group in groups.items():
             if is_root:
@@ -204,8 +274,9 @@ def reduce_(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: b
 def _reduce_into(result: torch.Tensor, root: int, reduce_op: Any, op: str,
                  async_op: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     scale = _averaging(op, result)
-    is_root = runtime.rank() == root
-    return _launch("reduce", lambda: dist.reduce(result, root, reduce_op, group=_group(result), async_op=True),
+    is_root = _rank() == root
+    return _launch("reduce", lambda: dist.reduce(result, _global_rank(root), reduce_op, group=_group(result),
+                                                 async_op=True),
                    lambda: scale(result) if is_root else None, async_op)
 
 
@@ -218,7 +289,7 @@ def allgather(tensor: torch.Tensor, *, async_op: bool = False,
     """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ."""
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    if runtime.size() == 1:
+    if _size() == 1:
         return _done(tensor.clone(), async_op)
     rows = _gather_records("allgather", tensor)
     if check:
@@ -247,10 +318,10 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = Fa
     reduce_op = _reduce_op(op, tensor)
     if check:
         _check("reduce_scatter", tensor, REDUCE_OPS_INDEX[op])
-    chunks = [chunk.contiguous() for chunk in torch.tensor_split(tensor, runtime.size())]
-    output = torch.empty_like(chunks[runtime.rank()])
+    chunks = [chunk.contiguous() for chunk in torch.tensor_split(tensor, _size())]
+    output = torch.empty_like(chunks[_rank()])
     scale = _averaging(op, output)
-    if runtime.size() == 1:
+    if _size() == 1:
         return _done(scale(output.copy_(chunks[0])), async_op)
     if all(chunk.shape == output.shape for chunk in chunks):
         start = lambda: _reduce_scatter_single(output, tensor.contiguous(), reduce_op,  # noqa: E731
@@ -272,7 +343,7 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async
 
     Without ``splits`` dim 0 is divided equally. Received pieces are concatenated in rank order.
     """
-    world = runtime.size()
+    world = _size()
     splits = _alltoall_splits(tensor, splits, world)
     sent = torch.tensor(splits, dtype=torch.int64)
     if check:
@@ -281,7 +352,7 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async
         return _done(tensor.clone(), async_op)
     received = torch.empty_like(sent)
     with translate_errors("alltoall"):
-        dist.all_to_all_single(received, sent, group=runtime.group_for(None))
+        dist.all_to_all_single(received, sent, group=_group(None))
     output = tensor.new_empty((int(received.sum()), *tensor.shape[1:]))
     return _launch("alltoall", lambda: dist.all_to_all_single(
         output, tensor.contiguous(), received.tolist(), splits, group=_group(tensor), async_op=True),
@@ -294,9 +365,9 @@ def barrier(*, async_op: Literal[False] = ...) -> None: ...
 def barrier(*, async_op: Literal[True]) -> Handle[None]: ...
 def barrier(*, async_op: bool = False) -> None | Handle[None]:
     """Wait until every rank has reached this point."""
-    if runtime.size() == 1:
+    if _size() == 1:
         return _done(None, async_op)
-    return _launch("barrier", lambda: dist.barrier(group=runtime.group_for(None), async_op=True),
+    return _launch("barrier", lambda: dist.barrier(group=_group(None), async_op=True),
                    lambda: None, async_op)
 
 
@@ -307,11 +378,11 @@ def broadcast_object(obj: Any = ..., root: int = ..., *, async_op: Literal[True]
 def broadcast_object(obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
     """Return ``root``'s picklable object on every rank (peers are trusted: it is unpickled)."""
     _check_root(root)
-    if runtime.size() == 1:
+    if _size() == 1:
         return _done(obj, async_op)
-    payload = _to_bytes(obj) if runtime.rank() == root else torch.empty(0, dtype=torch.uint8)
+    payload = _to_bytes(obj) if _rank() == root else torch.empty(0, dtype=torch.uint8)
     length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root, check=False)
-    if runtime.rank() != root:
+    if _rank() != root:
         payload = torch.empty(int(length), dtype=torch.uint8)
     handle = broadcast_(payload, root, async_op=True, check=False)
     return _then(handle, _from_bytes, async_op)
@@ -323,7 +394,7 @@ def allgather_object(obj: Any, *, async_op: Literal[False] = ...) -> list[Any]: 
 def allgather_object(obj: Any, *, async_op: Literal[True]) -> Handle[list[Any]]: ...
 def allgather_object(obj: Any, *, async_op: bool = False) -> list[Any] | Handle[list[Any]]:
     """Return the list of every rank's picklable object, in rank order."""
-    if runtime.size() == 1:
+    if _size() == 1:
         return _done([obj], async_op)
     payload = _to_bytes(obj)
     lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64), check=False).tolist()
@@ -333,6 +404,42 @@ def allgather_object(obj: Any, *, async_op: bool = False) -> list[Any] | Handle[
 
 REDUCE_OPS_INDEX = {name: index for index, name in enumerate(REDUCE_OPS)}
 ALLREDUCE_ALGORITHMS = ("backend", "auto", *algorithms.ALGORITHMS)
+
+
+def join() -> int:
+    """Declare this rank out of data: take part, with zeros, in every checked allreduce the other
+    ranks still run, until every rank has called ``join``. Returns the rank that joined last.
+
+    Ranks that have not joined see the joined ones only in the metadata check, so their
+    allreduces (``check=True``) need nothing else; any other checked collective raises
+    :class:`CollectiveMismatchError` on every rank while a rank has joined.
+    """
+    if _size() == 1:
+        return _rank()
+    marker = torch.zeros(0)
+    first = 1
+    while True:
+        rows = _gather_records("join", marker, first)
+        first = 0
+        active = [row for row in rows if row[0] != _JOIN]
+        if not active:
+            return max(r for r, row in enumerate(rows) if row[2] == 1)
+        other = next((row[0] for row in active if row[0] != _OPERATIONS.index("allreduce")), None)
+        if other is not None:
+            _raise_joined(rows, _OPERATIONS[other])
+        row = active[0]
+        op = list(REDUCE_OPS)[row[2] % len(REDUCE_OPS)]
+        algorithm = ALLREDUCE_ALGORITHMS[row[2] // len(REDUCE_OPS)]
+        zeros = torch.zeros(row[4 : 4 + row[3]], dtype=_DTYPES[row[1]], device=runtime.device())
+        allreduce_(zeros, op, check=False, algorithm=algorithm)
+
+
+def _raise_joined(rows: list[list[int]], operation: str) -> None:
+    joined = [r for r, row in enumerate(rows) if row[0] == _JOIN]
+    raise CollectiveMismatchError(
+        f"{operation} on rank {runtime.rank()}: rank(s) {joined} have joined (run out of data) and take part "
+        f"only in allreduce until every rank has joined. Call {operation} after join() has returned on every rank."
+    )
 
 
 def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
@@ -434,12 +541,13 @@ def _broadcast_into(tensor: torch.Tensor, root: int, async_op: bool,
     _check_root(root)
     if check:
         _check("broadcast", tensor, root)
-    return _launch("broadcast", lambda: dist.broadcast(tensor, root, group=_group(tensor), async_op=True),
+    return _launch("broadcast", lambda: dist.broadcast(tensor, _global_rank(root), group=_group(tensor),
+                                                       async_op=True),
                    lambda: tensor, async_op)
 
 
 def _launch(name: str, start: Callable[[], Any], finish: Callable[[], T], async_op: bool) -> T | Handle[T]:
-    if runtime.size() == 1:
+    if _size() == 1:
         return _done(finish(), async_op)
     with translate_errors(name):
         work = start()
@@ -462,6 +570,9 @@ def _then(handle: Handle[S], convert: Callable[[S], T], async_op: bool) -> T | H
 
 
 def _group(tensor: torch.Tensor | None) -> dist.ProcessGroup | None:
+    scope = _scope.get()
+    if scope is not None:
+        return scope.device_group if tensor is not None and tensor.is_cuda else scope.cpu_group
     return runtime.group_for(tensor)
 
 
@@ -476,14 +587,15 @@ def _reduce_op(op: str, tensor: torch.Tensor) -> Any:
 
 
 def _averaging(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    if op != "avg" or runtime.size() == 1:
+    size = _size()
+    if op != "avg" or size == 1:
         return lambda t: t
-    return lambda t: t.div_(runtime.size())
+    return lambda t: t.div_(size)
 
 
 def _check_root(root: int) -> None:
-    if not 0 <= root < runtime.size():
-        raise ConfigurationError(f"root must be a rank in [0, {runtime.size()}), got {root}.")
+    if not 0 <= root < _size():
+        raise ConfigurationError(f"root must be a rank in [0, {_size()}), got {root}.")
 
 
 def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: int) -> list[int]:
@@ -519,20 +631,24 @@ def _record(operation: str, tensor: torch.Tensor, detail: int) -> torch.Tensor:
 
 def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0) -> list[list[int]]:
     record = _record(operation, tensor, detail)
-    if runtime.size() == 1:
+    if _size() == 1:
         return [record.tolist()]
-    rows = torch.empty(runtime.size() * _RECORD_LEN, dtype=torch.int64)
+    rows = torch.empty(_size() * _RECORD_LEN, dtype=torch.int64)
     with translate_errors(f"{operation} (metadata check)"):
-        _all_gather_single(rows, record, group=runtime.group_for(None))
-    return rows.view(runtime.size(), _RECORD_LEN).tolist()
+        _all_gather_single(rows, record, group=_group(None))
+    return rows.view(_size(), _RECORD_LEN).tolist()
 
 
 def _check(operation: str, tensor: torch.Tensor, detail: int = 0, ignore_first_dim: bool = False) -> None:
-    if runtime.size() > 1:
+    if _size() > 1:
         _compare(_gather_records(operation, tensor, detail), operation, tensor, ignore_first_dim)
 
 
 def _compare(rows: list[list[int]], operation: str, tensor: torch.Tensor, ignore_first_dim: bool) -> None:
+    if any(row[0] == _JOIN for row in rows):  # ranks in join() add zeros to allreduces, and nothing else
+        if operation != "allreduce":
+            _raise_joined(rows, operation)
+        rows = [row for row in rows if row[0] != _JOIN]
     keys = [_comparable(row, ignore_first_dim) for row in rows]
     if all(key == keys[0] for key in keys):
         return

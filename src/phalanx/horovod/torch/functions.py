@@ -1,0 +1,67 @@
+"""Broadcasting a model's parameters and an optimizer's state, and the object collectives."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from phalanx.comm import collectives
+from phalanx.errors import ConfigurationError
+from phalanx.horovod.torch import basics
+from phalanx.horovod.torch.exceptions import horovod_errors
+from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, position, scope_of
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite every tensor of ``params`` in place with ``root_rank``'s.
+
+    ``params`` is a ``state_dict()``, ``named_parameters()`` or a list of tensors. The ranks
+    first compare names, shapes and dtypes (a model built differently raises on every rank);
+    then the tensors travel in one broadcast per dtype.
+    """
+    basics.require_init()
+    items = list(params.items()) if isinstance(params, Mapping) else [
+        item if isinstance(item, tuple) else (str(index), item) for index, item in enumerate(params)]
+    tensors = [tensor for _, tensor in items if isinstance(tensor, torch.Tensor)]
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in items if isinstance(t, torch.Tensor)]
+    with horovod_errors(), collectives.within(scope_of(process_set)):
+        everyone = collectives.allgather_object(layout)
+        differing = [r for r, other in enumerate(everyone) if other != everyone[root_rank]]
+        if differing:
+            raise ConfigurationError(
+                f"broadcast_parameters on rank {basics.rank()}: rank(s) {differing} hold tensors whose names, shapes "
+                f"or dtypes differ from root {root_rank}'s ({len(everyone[root_rank])} tensors). Build the same "
+                "model on every rank before broadcasting it."
+            )
+        collectives.broadcast_tensors_(tensors, root_rank)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyperparameters (``state_dict``).
+
+    State the other ranks have not created yet (before their first step) is created by loading it.
+    """
+    basics.require_init()
+    with horovod_errors(), collectives.within(scope_of(process_set)):
+        state = collectives.broadcast_object(optimizer.state_dict() if position(process_set) == root_rank else None,
+                                             root_rank)
+    if position(process_set) != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s picklable object on every rank of the set."""
+    basics.require_init()
+    with horovod_errors(), collectives.within(scope_of(process_set)):
+        return collectives.broadcast_object(obj, root_rank)
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Return the list of every rank's picklable object, in rank order."""
+    basics.require_init()
+    with horovod_errors(), collectives.within(scope_of(process_set)):
+        return collectives.allgather_object(obj)

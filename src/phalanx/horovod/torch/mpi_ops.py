@@ -1,0 +1,302 @@
+"""Horovod's collectives without autograd: asynchronous submission, integer handles, ``poll``, ``synchronize``.
+
+Each ``*_async`` launches a phalanx collective at once (in call order, as torch.distributed
+matches them) and returns an integer handle; ``synchronize(handle)`` waits and returns the
+result. The cross-rank check of phalanx's collectives makes mismatched shapes, dtypes, ops and
+roots raise :class:`HorovodMismatchError` on every rank; a name still in flight raises at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from phalanx.comm import collectives
+from phalanx.errors import ConfigurationError
+from phalanx.horovod.torch import basics, timeline
+from phalanx.horovod.torch.basics import Average, Sum
+from phalanx.horovod.torch.exceptions import horovod_errors
+from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, scope_of, set_size
+
+logger = logging.getLogger(__name__)
+
+
+class _All:
+    """Several collectives in flight as one: ``wait()`` returns their results in order."""
+
+    def __init__(self, handles: Sequence[Any]):
+        self.handles = list(handles)
+
+    def wait(self) -> list[Any]:
+        return [handle.wait() for handle in self.handles]
+
+    def is_completed(self) -> bool:
+        return all(handle.is_completed() for handle in self.handles)
+
+
+@dataclass
+class _Pending:
+    kind: str
+    name: str
+    named: bool
+    work: Any
+    finish: Callable[[Any], Any]
+    start_us: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+_pending: dict[int, _Pending] = {}
+_in_flight: dict[str, int] = {}
+_handles = itertools.count(1)
+_auto_names = itertools.count()
+
+
+def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: Callable[[], Any],
+            finish: Callable[[Any], Any] = lambda result: result, tensors: Sequence[torch.Tensor] = ()) -> int:
+    """Launch a collective inside ``process_set``; return its handle."""
+    basics.require_init()
+    scope = scope_of(process_set)
+    if name is not None and name in _in_flight:
+        raise ConfigurationError(
+            f"Requested to {kind} a tensor with the same name '{name}' as another tensor that is currently being "
+            "processed. Synchronize the first one before reusing its name, or give each a distinct name."
+        )
+    details = {"shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype)} \
+        if timeline.active() and tensors else {}
+    start = timeline.now_us()
+    with horovod_errors(), collectives.within(scope):
+        work = launch()
+    handle = next(_handles)
+    _pending[handle] = _Pending(kind, name or f"{kind}.noname.{next(_auto_names)}", name is not None, work,
+                                finish, start, details)
+    if name is not None:
+        _in_flight[name] = handle
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation of ``handle`` has completed (then ``synchronize`` does not block)."""
+    if handle not in _pending:
+        raise ConfigurationError(f"unknown handle {handle!r}: it was never returned or was already synchronized.")
+    return bool(_pending[handle].work.is_completed())
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle``; return its output (``None`` for an unknown handle, as Horovod)."""
+    pending = _pending.pop(handle, None)
+    if pending is None:
+        return None
+    try:
+        with horovod_errors():
+            result = pending.finish(pending.work.wait())
+    finally:
+        if pending.named:
+            _in_flight.pop(pending.name, None)
+        if timeline.active():
+            timeline.record(pending.kind.upper(), pending.name, pending.start_us, pending.details)
+    return result
+
+
+# --- allreduce -------------------------------------------------------------------------------
+
+
+def _scaled(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return (lambda t: t) if factor == 1.0 else (lambda t: t.mul_(factor))
+
+
+def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None, op: str, prescale: float,
+                     postscale: float, process_set: ProcessSet) -> int:
+    def launch() -> Any:
+        if output is not tensor:
+            output.copy_(tensor)
+        _scaled(prescale)(output)
+        return collectives.allreduce_(output, op, async_op=True)
+
+    return _submit("allreduce", name, process_set, launch, _scaled(postscale), [tensor])
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start averaging (or ``op``-reducing) ``tensor`` over the set; the input is not modified."""
+    op_name = basics.op_name(op, average)
+    return _allreduce_async(tensor, torch.empty_like(tensor), name, op_name, prescale_factor, postscale_factor,
+                            process_set)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` in place; ``synchronize`` returns it."""
+    op_name = basics.op_name(op, average)
+    return _allreduce_async(tensor, tensor, name, op_name, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place over the set and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], name: str | None,
+                             op: str, prescale: float, postscale: float, process_set: ProcessSet) -> int:
+    """One fused allreduce per (dtype, device) of the list, results copied into ``outputs``."""
+    tensors, outputs = list(tensors), list(outputs)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.dtype, tensor.device), []).append(index)
+    flats: list[torch.Tensor] = []
+
+    def launch() -> _All:
+        for indices in groups.values():
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
+            flats.append(_scaled(prescale)(flat))
+        return _All([collectives.allreduce_(flat, op, async_op=True) for flat in flats])
+
+    def finish(_: Any) -> list[torch.Tensor]:
+        for indices, flat in zip(groups.values(), flats):
+            pieces = _scaled(postscale)(flat).split([tensors[i].numel() for i in indices])
+            for i, piece in zip(indices, pieces):
+                outputs[i].copy_(piece.view_as(outputs[i]))
+        return outputs
+
+    return _submit("grouped_allreduce", name, process_set, launch, finish, tensors)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing a list of tensors as one fused operation; the inputs are not modified."""
+    op_name = basics.op_name(op, average)
+    return _grouped_allreduce_async(tensors, [torch.empty_like(t) for t in tensors], name, op_name,
+                                    prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing a list of tensors in place as one fused operation."""
+    op_name = basics.op_name(op, average)
+    return _grouped_allreduce_async(tensors, tensors, name, op_name, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place; return them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+# --- allgather, broadcast, alltoall, reducescatter --------------------------------------------
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every rank's tensor along dim 0 (first dimensions may differ)."""
+    return _submit("allgather", name, process_set, lambda: collectives.allgather(tensor, async_op=True),
+                   tensors=[tensor])
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start allgathering each tensor of a list; ``synchronize`` returns the list of results."""
+    return _submit("grouped_allgather", name, process_set,
+                   lambda: _All([collectives.allgather(t, async_op=True) for t in tensors]), tensors=list(tensors))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start copying ``root_rank``'s tensor to every rank of the set (into a new tensor)."""
+    return _submit("broadcast", name, process_set, lambda: collectives.broadcast(tensor, root_rank, async_op=True),
+                   tensors=[tensor])
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start overwriting ``tensor`` in place with ``root_rank``'s."""
+    return _submit("broadcast", name, process_set, lambda: collectives.broadcast_(tensor, root_rank, async_op=True),
+                   tensors=[tensor])
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` in place with ``root_rank``'s and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start sending ``splits[r]`` rows to rank ``r`` (equal shares without ``splits``).
+
+    ``synchronize`` returns ``(output, received_splits)``: the rows received, in rank order, and
+    how many came from each rank (int32).
+    """
+    counts = None if splits is None else [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
+                                                           else splits)]
+
+    def launch() -> _All:
+        main = collectives.alltoall(tensor, counts, async_op=True)
+        world = set_size(process_set)
+        sent = counts if counts is not None else [tensor.shape[0] // world] * world
+        received = collectives.alltoall(torch.tensor(sent, dtype=torch.int64), async_op=True, check=False)
+        return _All([main, received])
+
+    return _submit("alltoall", name, process_set, launch,
+                   lambda results: (results[0], results[1].to(torch.int32)), [tensor])
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start reducing ``tensor`` over the set and giving each rank its share of dim 0 (the first ranks
+    get one row more when it does not divide)."""
+    op_name = _reducescatter_op(op)
+
+    def launch() -> Any:
+        work = tensor if prescale_factor == 1.0 else tensor * prescale_factor
+        return collectives.reduce_scatter(work, op_name, async_op=True)
+
+    return _submit("reducescatter", name, process_set, launch, _scaled(postscale_factor), [tensor])
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """Start reduce-scattering each tensor of a list; ``synchronize`` returns the list of shares."""
+    op_name = _reducescatter_op(op)
+
+    def launch() -> _All:
+        return _All([collectives.reduce_scatter(t if prescale_factor == 1.0 else t * prescale_factor, op_name,
+                                                async_op=True) for t in tensors])
+
+    return _submit("grouped_reducescatter", name, process_set, launch,
+                   lambda shares: [_scaled(postscale_factor)(share) for share in shares], list(tensors))
+
+
+def _reducescatter_op(op: int) -> str:
+    if op not in (Average, Sum):
+        raise ConfigurationError("reducescatter supports only op=hvd.Average and op=hvd.Sum.")
+    return basics.op_name(op)
+
+
+# --- synchronisation ---------------------------------------------------------------------------
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of the set has reached this point."""
+    synchronize(_submit("barrier", None, process_set, lambda: collectives.barrier(async_op=True)))
+
+
+def join(device: int = -1) -> int:
+    """This rank has run out of data: add zeros to the other ranks' allreduces (the optimizer's
+    included) until every rank has joined. Returns the rank that joined last. ``device`` is unused:
+    the zeros are made on this worker's device."""
+    basics.require_init()
+    with horovod_errors():
+        return collectives.join()

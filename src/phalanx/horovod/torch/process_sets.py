@@ -1,0 +1,187 @@
+"""Process sets: collectives restricted to a subset of the ranks, each set a torch.distributed group.
+
+Every rank must create the same sets in the same order (``hvd.init(process_sets=[...])``, or
+``add_process_set`` called on every rank), because forming a group is collective over the job.
+A collective given ``process_set=`` runs inside :func:`phalanx.comm.collectives.within` the set's
+group, with the same checks, errors and averaging as over the whole job; ranks and roots are
+positions within the set, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Sequence
+
+import torch.distributed as dist
+
+from phalanx.comm import collectives, runtime
+from phalanx.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+
+class ProcessSet:
+    """A set of ranks that run collectives together: ``hvd.ProcessSet([0, 2])``.
+
+    Pass it to ``hvd.init(process_sets=[...])`` or ``hvd.add_process_set`` on every rank, then to
+    collectives as ``process_set=``. MPI communicators are not accepted (phalanx uses no MPI).
+    """
+
+    def __init__(self, ranks_or_comm: Sequence[int]):
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            raise ConfigurationError(
+                "ProcessSet takes a list of ranks; MPI communicators are not supported by phalanx.horovod."
+            ) from None
+        if any(not isinstance(r, int) for r in ranks):
+            raise ConfigurationError(f"ProcessSet should be initialized with a list of process ranks, got {ranks}.")
+        self.ranks: list[int] | None = ranks
+        self.process_set_id: int | None = None
+        self.mpi_comm = None
+        self._scope: collectives.Scope | None = None
+
+    def size(self) -> int | None:
+        """The number of ranks in the set (``None`` once removed)."""
+        if self.process_set_id == 0:
+            return runtime.size()  # the global set follows elastic changes of the job
+        return None if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This process's position in the set, or ``None`` if it is not a member."""
+        if self.process_set_id == 0:
+            return runtime.rank()
+        if self.ranks is None or runtime.rank() not in self.ranks:
+            return None
+        return self.ranks.index(runtime.rank())
+
+    def included(self) -> bool:
+        """Whether this process is a member of the set."""
+        return self.process_set_id == 0 or (self.ranks is not None and runtime.rank() in self.ranks)
+
+    def invalidate(self) -> None:
+        """Forget the set (after ``remove_process_set``)."""
+        self.process_set_id, self.ranks, self._scope = None, None, None
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm=None)"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+_registry: dict[int, ProcessSet] = {0: global_process_set}
+_dynamic = False
+_next_id = 1
+
+
+def setup(process_sets: Sequence[ProcessSet] | str | None) -> None:
+    """Register the static sets of ``hvd.init``, or allow dynamic ones (``"dynamic"`` or the variable)."""
+    global _dynamic
+    global_process_set.ranks = list(range(runtime.size()))
+    _dynamic = process_sets == "dynamic" or os.environ.get(DYNAMIC_ENV, "0") not in ("", "0")
+    if isinstance(process_sets, str) or process_sets is None:
+        return
+    for process_set in process_sets:
+        _register(process_set)
+
+
+def forget() -> None:
+    """Drop every set but the global one (at shutdown, or when an elastic group is re-formed)."""
+    global _next_id
+    for process_set in list(_registry.values()):
+        if process_set is not global_process_set:
+            process_set.invalidate()
+    _registry.clear()
+    _registry[0] = global_process_set
+    _next_id = 1
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a set after ``init`` (needs ``init(process_sets="dynamic")`` or HOROVOD_DYNAMIC_PROCESS_SETS=1).
+
+    Collective: every rank must call it with the same ranks, in the same order.
+    """
+    if not _dynamic:
+        raise ConfigurationError(
+            "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 or call hvd.init(process_sets='dynamic') to add process sets "
+            "after initialization; static sets go to hvd.init(process_sets=[...])."
+        )
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    return _register(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a dynamic set on every rank; False for the global set or one not registered."""
+    if process_set.process_set_id in (None, 0) or _registry.get(process_set.process_set_id) is not process_set:
+        return False
+    if not _dynamic:
+        raise ConfigurationError(
+            "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 or call hvd.init(process_sets='dynamic') to remove process sets."
+        )
+    scope = process_set._scope
+    del _registry[process_set.process_set_id]
+    process_set.invalidate()
+    if scope is not None and runtime.rank() in scope.ranks:
+        _destroy(scope)
+    return True
+
+
+def scope_of(process_set: ProcessSet) -> collectives.Scope | None:
+    """The collectives scope of ``process_set`` for this rank (``None``: the whole job)."""
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return None
+    if process_set.process_set_id is None or _registry.get(process_set.process_set_id) is not process_set:
+        raise ConfigurationError(
+            f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or hvd.add_process_set() "
+            "on every rank first."
+        )
+    if not process_set.included():
+        raise ConfigurationError(
+            f"rank {runtime.rank()} is not part of {process_set}: only its members may run its collectives."
+        )
+    return process_set._scope
+
+
+def position(process_set: ProcessSet) -> int:
+    """This rank's position in ``process_set`` (its rank, for the global set)."""
+    return int(process_set.rank() or 0)
+
+
+def set_size(process_set: ProcessSet) -> int:
+    """The number of ranks in ``process_set`` (the job's size, for the global set)."""
+    return int(process_set.size() or 0)
+
+
+def _register(process_set: ProcessSet) -> ProcessSet:
+    global _next_id
+    ranks = process_set.ranks or []
+    world = runtime.size()
+    if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
+        raise ConfigurationError(f"a process set needs distinct ranks in [0, {world}), got {ranks}.")
+    if any(existing.ranks == ranks for existing in _registry.values() if existing is not global_process_set):
+        raise ConfigurationError(f"a process set with ranks {ranks} is already registered; reuse it.")
+    if ranks == list(range(world)):
+        process_set._scope = None  # the whole job: the global group serves it
+    else:
+        timeout = datetime.timedelta(seconds=runtime.timeout())
+        cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        device = dist.new_group(ranks, timeout=timeout) if dist.get_backend() == "nccl" else cpu
+        process_set._scope = collectives.Scope(tuple(ranks), cpu, device)
+    process_set.process_set_id = _next_id
+    _registry[_next_id] = process_set
+    _next_id += 1
+    logger.debug("process set %s registered", process_set)
+    return process_set
+
+
+def _destroy(scope: collectives.Scope) -> None:
+    for group in {id(scope.cpu_group): scope.cpu_group, id(scope.device_group): scope.device_group}.values():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):
+            logger.debug("destroying a process set's group failed", exc_info=True)
