@@ -70,6 +70,7 @@ class MessageGroup:
         self.group = group
 
     def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str) -> None:
+        """``flat`` reduced over the group with ``algorithm``, in place."""
         allreduce(flat, op, algorithm, self.group)
 
     def abort(self) -> None:

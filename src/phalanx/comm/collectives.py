@@ -20,7 +20,8 @@ from typing import Any, Callable, Generic, Iterator, Literal, Sequence, TypeVar,
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import algorithms, cost, runtime
+from phalanx.comm import algorithms, cost, runtime, shm
+from phalanx.comm.ordered import OrderedExecutor
 from phalanx.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -504,7 +505,7 @@ def measure_link() -> cost.Link:
     return _links[id(group)]
 
 
-def _through(executor: Any, tensor: torch.Tensor, op: str, algorithm: str,
+def _through(executor: OrderedExecutor[Any], tensor: torch.Tensor, op: str, algorithm: str,
              scale: Callable[[torch.Tensor], torch.Tensor], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
     """On one of the runtime's ordered executors (shared memory, or phalanx's algorithms), in the
     order of submission: see :mod:`phalanx.comm.ordered`."""
@@ -518,9 +519,9 @@ def _through(executor: Any, tensor: torch.Tensor, op: str, algorithm: str,
     name = "allreduce (shared memory)" if executor is runtime.shm_executor() else f"allreduce ({algorithm})"
     if not async_op:
         with translate_errors(name):
-            executor.run(flat, op, algorithm)
+            executor.run(lambda: executor.group.allreduce_(flat, op, algorithm))
         return finish()
-    return Handle(name, _FutureWork(executor.submit(flat, op, algorithm)), finish)
+    return Handle(name, _FutureWork(executor.submit(lambda: executor.group.allreduce_(flat, op, algorithm))), finish)
 
 
 class _FutureWork:
@@ -633,10 +634,20 @@ def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0) -> li
     record = _record(operation, tensor, detail)
     if _size() == 1:
         return [record.tolist()]
+    shared = _one_host_executor()
+    if shared is not None:  # through shared memory, in order with the allreduces queued there
+        with translate_errors(f"{operation} (metadata check)"):
+            return shared.run(lambda: shared.group.allgather_(record)).tolist()
     rows = torch.empty(_size() * _RECORD_LEN, dtype=torch.int64)
     with translate_errors(f"{operation} (metadata check)"):
         _all_gather_single(rows, record, group=_group(None))
     return rows.view(_size(), _RECORD_LEN).tolist()
+
+
+def _one_host_executor() -> OrderedExecutor[shm.SharedMemoryGroup] | None:
+    """The shared-memory executor when every rank of the collective is on this host, else ``None``."""
+    shared = runtime.shm_executor()
+    return shared if shared is not None and shared.group.cross is None and _scope.get() is None else None
 
 
 def _check(operation: str, tensor: torch.Tensor, detail: int = 0, ignore_first_dim: bool = False) -> None:

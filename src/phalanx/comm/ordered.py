@@ -1,4 +1,4 @@
-"""One background thread that runs a process's allreduces in submission order.
+"""One background thread that runs a process's collectives on one group in submission order.
 
 Every rank issues its collectives in the same order, so one FIFO keeps them matched across ranks
 whether they come from the user's thread or the gradient engine's hooks. Asynchronous ones run on
@@ -6,8 +6,8 @@ a daemon thread, beside backward (torch's kernels release the GIL); a synchronou
 caller's thread when nothing is queued, saving two thread hand-offs. ``close`` aborts a wait in
 progress, so a failing process never waits for its peers.
 
-The work itself is a :class:`ReducingGroup`: the host's shared memory (:mod:`phalanx.comm.shm`) or
-phalanx's own algorithms over a Gloo group of their own (:mod:`phalanx.comm.algorithms`).
+The group is the host's shared memory (:mod:`phalanx.comm.shm`) or phalanx's own algorithms over
+a Gloo group of their own (:mod:`phalanx.comm.algorithms`); the work is any call on it.
 """
 
 from __future__ import annotations
@@ -15,23 +15,25 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import Protocol
+from typing import Callable, Generic, Protocol, TypeVar
 
-import torch
+T = TypeVar("T")
 
 
-class ReducingGroup(Protocol):
-    """What the executor drives: an in-place allreduce of a flat CPU tensor, and its teardown."""
+class Group(Protocol):
+    """What the executor tears down: ``abort`` ends a wait in progress, ``close`` frees the group."""
 
-    def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str) -> None: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
 
 
-class OrderedExecutor:
-    """Runs one group's allreduces in the order they were submitted (see the module's docstring)."""
+G = TypeVar("G", bound=Group)
 
-    def __init__(self, group: ReducingGroup, name: str):
+
+class OrderedExecutor(Generic[G]):
+    """Runs calls on one group in the order they were submitted (see the module's docstring)."""
+
+    def __init__(self, group: G, name: str):
         self.group = group
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._state = threading.Lock()
@@ -39,35 +41,33 @@ class OrderedExecutor:
         self._thread = threading.Thread(target=self._serve, name=f"phalanx-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, flat: torch.Tensor, op: str, algorithm: str = "backend") -> concurrent.futures.Future:
-        """Queue an allreduce behind the others; its future completes when it has."""
+    def submit(self, work: Callable[[], T]) -> concurrent.futures.Future:
+        """Queue ``work`` behind the calls already queued; its future completes with its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._state:
             self._pending += 1
-        self._queue.put((flat, op, algorithm, future))
+        self._queue.put((work, future))
         return future
 
-    def run(self, flat: torch.Tensor, op: str, algorithm: str = "backend") -> None:
-        """An allreduce now: inline when the queue is empty, else behind the queued ones."""
+    def run(self, work: Callable[[], T]) -> T:
+        """``work`` now: inline when the queue is empty, else behind the queued calls."""
         with self._state:
             inline = self._pending == 0
             if inline:
                 self._pending += 1
         if not inline:
-            self.submit(flat, op, algorithm).result()
-            return
+            return self.submit(work).result()
         try:
-            self.group.allreduce_(flat, op, algorithm)
+            return work()
         finally:
             with self._state:
                 self._pending -= 1
 
     def _serve(self) -> None:
         while (task := self._queue.get()) is not None:
-            flat, op, algorithm, future = task
+            work, future = task
             try:
-                self.group.allreduce_(flat, op, algorithm)
-                future.set_result(None)
+                future.set_result(work())
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(error)
             finally:

@@ -59,10 +59,10 @@ class _Runtime:
     membership: Membership | None = None
     sockets: dict[str, int] = dataclasses.field(default_factory=dict)  # the group's connections
     transport: str = "auto"
-    shm: OrderedExecutor | None = None  # allreduce through shared memory (hierarchical across hosts)
+    shm: OrderedExecutor[shm.SharedMemoryGroup] | None = None  # shared memory (hierarchical across hosts)
     #: phalanx's own algorithms on a Gloo group of their own; created by the first collective call
     #: that needs it (the one field set after construction)
-    messages: OrderedExecutor | None = None
+    messages: OrderedExecutor[algorithms.MessageGroup] | None = None
 
 
 _runtime: _Runtime | None = None
@@ -243,12 +243,12 @@ def group_for(tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
     return runtime.cpu_group
 
 
-def shm_executor() -> OrderedExecutor | None:
+def shm_executor() -> OrderedExecutor[shm.SharedMemoryGroup] | None:
     """The shared-memory allreduce of this group, when its transport is shared memory."""
     return _runtime.shm if _runtime else None
 
 
-def message_executor() -> OrderedExecutor:
+def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:
     """The executor of phalanx's own allreduce algorithms (:mod:`phalanx.comm.algorithms`) on a Gloo
     group of their own, created at the first call: a collective, every rank calls it at the same point."""
     runtime = _require_runtime()
@@ -356,7 +356,7 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
 
 
 def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, backend: str,
-              timeout_s: float) -> OrderedExecutor | None:
+              timeout_s: float) -> OrderedExecutor[shm.SharedMemoryGroup] | None:
     """Map this host's segment of this generation when the transport allows it.
 
     All ranks on one host: the allreduce is the shared-memory one. Several hosts with the same

@@ -133,6 +133,16 @@ class SharedMemoryGroup:
         self._arrive_and_wait("reducing")
         chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
 
+    def allgather_(self, record: torch.Tensor) -> torch.Tensor:
+        """Every host rank's small 1-D ``record`` (at most a slot), stacked in rank order: the
+        collectives' metadata check, without a round trip through the kernel's sockets."""
+        nbytes = record.numel() * record.element_size()
+        self._slots[self.rank][:nbytes].view(record.dtype).copy_(record)
+        self._arrive_and_wait("gathering")
+        rows = torch.stack([slot[:nbytes].view(record.dtype) for slot in self._slots])
+        self._arrive_and_wait("gathering")  # nobody writes its slot again before every rank has read
+        return rows
+
     def _across_hosts(self, mine: torch.Tensor, op: str, algorithm: str) -> None:
         """Allreduce this rank's slice with the same local rank of the other hosts."""
         if algorithm == "auto":
