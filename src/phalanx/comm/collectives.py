@@ -276,6 +276,10 @@ def _reduce_into(result: torch.Tensor, root: int, reduce_op: Any, op: str,
                  async_op: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     scale = _averaging(op, result)
     is_root = _rank() == root
+    shared = _one_host_executor()
+    if shared is not None and not result.is_cuda:  # every rank gets the sum: as cheap as the reduction
+        summed = _through(shared, result, op, "backend", scale, True, name="reduce")
+        return _then(summed, lambda total: total if is_root else None, async_op)
     return _launch("reduce", lambda: dist.reduce(result, _global_rank(root), reduce_op, group=_group(result),
                                                  async_op=True),
                    lambda: scale(result) if is_root else None, async_op)
@@ -368,6 +372,9 @@ def barrier(*, async_op: bool = False) -> None | Handle[None]:
     """Wait until every rank has reached this point."""
     if _size() == 1:
         return _done(None, async_op)
+    shared = _one_host_executor()
+    if shared is not None:
+        return _on(shared, "barrier (shared memory)", shared.group.barrier, lambda _: None, async_op)
     return _launch("barrier", lambda: dist.barrier(group=_group(None), async_op=True),
                    lambda: None, async_op)
 
@@ -506,22 +513,30 @@ def measure_link() -> cost.Link:
 
 
 def _through(executor: OrderedExecutor[Any], tensor: torch.Tensor, op: str, algorithm: str,
-             scale: Callable[[torch.Tensor], torch.Tensor], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
-    """On one of the runtime's ordered executors (shared memory, or phalanx's algorithms), in the
-    order of submission: see :mod:`phalanx.comm.ordered`."""
+             scale: Callable[[torch.Tensor], torch.Tensor], async_op: bool,
+             name: str = "allreduce") -> torch.Tensor | Handle[torch.Tensor]:
+    """An allreduce on one of the runtime's ordered executors (shared memory, or phalanx's
+    algorithms), in the order of submission: see :mod:`phalanx.comm.ordered`."""
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
-    def finish() -> torch.Tensor:
+    def finish(_: None) -> torch.Tensor:
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return scale(tensor)
 
-    name = "allreduce (shared memory)" if executor is runtime.shm_executor() else f"allreduce ({algorithm})"
+    how = "shared memory" if executor is runtime.shm_executor() else algorithm
+    return _on(executor, f"{name} ({how})", lambda: executor.group.allreduce_(flat, op, algorithm), finish, async_op)
+
+
+def _on(executor: OrderedExecutor[Any], name: str, work: Callable[[], S], finish: Callable[[S], T],
+        async_op: bool) -> T | Handle[T]:
+    """``finish(work())`` with ``work`` run in ``executor``'s order: now, or as a handle."""
     if not async_op:
         with translate_errors(name):
-            executor.run(lambda: executor.group.allreduce_(flat, op, algorithm))
-        return finish()
-    return Handle(name, _FutureWork(executor.submit(lambda: executor.group.allreduce_(flat, op, algorithm))), finish)
+            done = executor.run(work)
+        return finish(done)
+    future = executor.submit(work)
+    return Handle(name, _FutureWork(future), lambda: finish(future.result()))
 
 
 class _FutureWork:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import itertools
 import logging
 import os
 import secrets
@@ -246,6 +247,42 @@ def group_for(tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
 def shm_executor() -> OrderedExecutor[shm.SharedMemoryGroup] | None:
     """The shared-memory allreduce of this group, when its transport is shared memory."""
     return _runtime.shm if _runtime else None
+
+
+def host_arena(tag: str, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of shared memory mapped by every worker, when all of them are on this host.
+
+    Collective: every worker calls it with the same ``tag`` and size. The first rank creates the
+    segment (named after the job, generation and tag, so the launcher removes it after a crash),
+    and once every rank has mapped it its name is removed. Raises :class:`ConfigurationError` where
+    the transport does not use shared memory on one host (see :func:`shares_one_host`).
+    """
+    runtime = _require_runtime()
+    if not shares_one_host():
+        raise ConfigurationError("shared memory between workers needs every worker on this host and "
+                                 "px.init(transport='auto' or 'shm').")
+    executor = runtime.shm
+    assert executor is not None
+    tag = f"{tag}{next(_arena_numbers)}"  # the same on every rank: arenas are made collectively
+    name, key = f"{executor.group.name}-{tag}", f"phalanx/g{runtime.generation}/arena/{tag}"
+    if executor.group.rank == 0:
+        mapping = shm.map_segment(name, nbytes, create=True)
+        runtime.store.set(key, name)
+    else:
+        runtime.store.wait([key], datetime.timedelta(seconds=runtime.timeout_s))
+        mapping = shm.map_segment(name, nbytes, create=False)
+    executor.run(executor.group.barrier)
+    if executor.group.rank == 0:
+        shm.unlink_segment(name)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+_arena_numbers = itertools.count()
+
+
+def shares_one_host() -> bool:
+    """Whether every worker is on this host and reduces through shared memory."""
+    return _runtime is not None and _runtime.shm is not None and _runtime.shm.group.cross is None
 
 
 def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:

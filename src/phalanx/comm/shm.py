@@ -61,16 +61,7 @@ class SharedMemoryGroup:
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
         self.cross = cross  # several hosts: this local rank's Gloo group with its peers on the others
         self.cross_link: cost.Link | None = None  # measured at the first "auto" allreduce
-        self.path = os.path.join(SHM_DIR, name)
-        total = size * LINE + (size + 1) * SLOT_BYTES
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        descriptor = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(descriptor, total)
-            self._map = mmap.mmap(descriptor, total)
-        finally:
-            os.close(descriptor)
+        self._map = map_segment(name, size * LINE + (size + 1) * SLOT_BYTES, create)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         header = raw[: size * LINE].view(torch.int64).view(size, LINE // 8)
         self._pids = header[:, 0]
@@ -90,10 +81,11 @@ class SharedMemoryGroup:
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid): called once every rank has mapped the segment."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the host has arrived here."""
+        self._arrive_and_wait("waiting at a barrier")
 
     def close(self) -> None:
         self._words.release()
@@ -188,6 +180,26 @@ class SharedMemoryGroup:
             raise CollectiveTimeoutError(
                 f"allreduce through shared memory on rank {self.rank} of {self.size} failed while {phase}: {why}. "
                 "The first failing rank's output names the root cause.")
+
+
+def map_segment(name: str, nbytes: int, create: bool) -> mmap.mmap:
+    """Map the segment ``name`` of ``nbytes`` bytes, creating it (exclusively) or opening another's."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    descriptor = os.open(os.path.join(SHM_DIR, name), flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(descriptor, nbytes)
+        return mmap.mmap(descriptor, nbytes)
+    finally:
+        os.close(descriptor)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name; mappings stay valid until the processes unmap or exit."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
 
 
 def remove_job_segments(job: str) -> list[str]:

@@ -4,11 +4,15 @@ Every worker computes gradients as with ``px.DataParallel``; the engine's bucket
 onto the storage rank (not all-reduced), which applies the user's optimizer and broadcasts the
 new parameters. Optimizer state (Adam's two moments: twice the model) exists on the storage
 rank only; the result equals data-parallel training up to float rounding.
+
+When every worker is on one host and reduces through shared memory, the parameters themselves
+live once, in a shared segment every worker maps: the storage rank steps them in place between
+two barriers, and nothing is broadcast.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -42,19 +46,27 @@ class StoredOptimizer(HeldOptimizer):
 
     strategy = "px.CentralStorage"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], storage: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], storage: int,
+                 shared: bool = False):
         super().__init__(optimizer)
         self.params = params
         self.storage = storage
+        self.shared = shared  # the parameters live once per host, in shared memory
 
     @property
     def is_storage(self) -> bool:
         return runtime.rank() == self.storage
 
     def _step(self) -> None:
-        """The storage rank steps; every rank then receives its parameters (one broadcast per dtype)."""
+        """The storage rank steps; every rank then receives its parameters (one broadcast per dtype,
+        or, in shared memory, nothing: the others wait while the storage rank writes)."""
+        if self.shared:
+            collectives.barrier()  # nobody reads the parameters while they change
         if self.is_storage:
             self.optimizer.step()
+        if self.shared:
+            collectives.barrier()
+            return
         with torch.no_grad():
             collectives.broadcast_tensors_([p.data for p in self.params], root=self.storage)
 
@@ -67,18 +79,46 @@ class StoredOptimizer(HeldOptimizer):
         self.optimizer.load_state_dict(state_dict if self.is_storage else {**state_dict, "state": {}})
 
 
+def move_into_shared_memory(params: Sequence[nn.Parameter], storage: int) -> None:
+    """Give every rank's parameters the same storage: one host-wide segment, filled by ``storage``.
+
+    Collective. Each parameter's data becomes a view of the segment (aligned to 64 bytes), so
+    the copies the ranks held are freed and a step taken by the storage rank is seen by all.
+    """
+    offsets, end = [], 0
+    for param in params:
+        end = -(-end // 64) * 64
+        offsets.append(end)
+        end += param.numel() * param.element_size()
+    arena = runtime.host_arena("params", end)
+    views = [arena[start: start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+             for start, p in zip(offsets, params)]
+    if runtime.rank() == storage:
+        for view, param in zip(views, params):
+            view.copy_(param.detach())
+    collectives.barrier()
+    for view, param in zip(views, params):
+        param.data = view
+
+
 class CentralStorage:
     """``px.fit(..., strategy=px.CentralStorage())``: the optimizer state on one rank only.
 
     ``rank`` is the storage rank (default 0); checkpoints need it to be 0, the rank that writes them.
+    ``shared_memory``: ``"auto"`` keeps the parameters once, in shared memory, when every worker is
+    on this host and the transport uses shared memory; ``False`` gives each worker its copy.
     """
 
     asynchronous = False
 
-    def __init__(self, rank: int = 0):
+    def __init__(self, rank: int = 0, shared_memory: bool | str = "auto"):
         if rank < 0:
             raise ConfigurationError(f"CentralStorage(rank=...) must be a worker's rank, got {rank}.")
+        if shared_memory not in ("auto", True, False):
+            raise ConfigurationError(f"CentralStorage(shared_memory=...) must be 'auto', True or False, "
+                                     f"got {shared_memory!r}.")
         self.rank = rank
+        self.shared_memory = shared_memory
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, StoredOptimizer]:
         """Wrap ``model`` and ``optimizer`` for this worker."""
@@ -86,7 +126,18 @@ class CentralStorage:
             raise ConfigurationError(f"CentralStorage(rank={self.rank}) but the job has {runtime.size()} worker(s).")
         wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
         wrapped.use_reduction(ReduceToStorage(self.rank))
-        return wrapped, StoredOptimizer(optimizer, list(wrapped.parameters()), self.rank)
+        params = list(wrapped.parameters())
+        shared = self._share_parameters() and bool(params)
+        if shared:
+            move_into_shared_memory(params, self.rank)
+        return wrapped, StoredOptimizer(optimizer, params, self.rank, shared)
+
+    def _share_parameters(self) -> bool:
+        possible = runtime.size() > 1 and runtime.shares_one_host() and runtime.device().type == "cpu"
+        if self.shared_memory is True and not possible:
+            raise ConfigurationError("CentralStorage(shared_memory=True) needs several CPU workers on one host "
+                                     "with px.init(transport='auto' or 'shm'); use shared_memory='auto'.")
+        return possible and self.shared_memory is not False
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Nothing to tear down."""
