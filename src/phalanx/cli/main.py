@@ -58,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(argv[1:])
         if argv[:2] == ["bench", "comm"]:
             return _bench_comm(argv[2:])
+        if argv[:1] == ["doctor"]:
+            from phalanx.cli import doctor  # its analysis loads only when asked for
+            return doctor.main(argv[1:])
         return _other_command(argv)
     except SystemExit as exit_:  # argparse's --help and usage errors
         return exit_.code if isinstance(exit_.code, int) else 2

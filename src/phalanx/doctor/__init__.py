@@ -1,0 +1,1 @@
+"""``phalanx doctor``'s analysis: measured phases, noise scale, predictions, recommendations, report, trace."""

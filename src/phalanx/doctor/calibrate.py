@@ -1,0 +1,59 @@
+"""Measuring the transport at the end of a doctor session (collective: every rank calls it).
+
+Three sets of figures, each the median of a few repetitions (the fastest for latencies, which
+contention from other processes only lengthens):
+
+* the link's point-to-point latency and per-byte time (:func:`phalanx.comm.collectives.measure_link`);
+* Gloo's own allreduce of a small and a large tensor, which gives the alpha and beta of the ring
+  formula ``2(p-1) alpha + 2 (p-1)/p n beta`` as Gloo actually runs it (point-to-point round trips
+  overstate Gloo's allreduce latency several times, see docs/transport.md);
+* the allreduce the engine uses (shared memory within a host where that is the transport) at the
+  small and large size and at every bucket's size, alone, without backward beside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import collectives, runtime
+
+SMALL_BYTES = 4 << 10
+LARGE_BYTES = 4 << 20
+REPEATS = 9
+
+
+def measure_transport(bucket_bytes: list[int]) -> dict[str, object]:
+    """Link, Gloo-ring and engine-allreduce figures of this group, the same keys on every rank."""
+    link = collectives.measure_link()
+    world = runtime.size()
+    gloo_small = _timed(lambda t: dist.all_reduce(t), SMALL_BYTES, min)
+    gloo_large = _timed(lambda t: dist.all_reduce(t), LARGE_BYTES)
+    ring_alpha = gloo_small / (2 * (world - 1))
+    ring_beta = max(gloo_large - gloo_small, 0.0) / (2 * (world - 1) / world * LARGE_BYTES)
+    engine = [_timed(_engine, SMALL_BYTES, min), _timed(_engine, LARGE_BYTES)]
+    buckets = [_timed(_engine, size) for size in bucket_bytes]
+    return {"p2p_alpha_s": link.alpha_s, "p2p_beta_s_per_byte": link.beta_s_per_byte,
+            "ring_alpha_s": ring_alpha, "ring_beta_s_per_byte": ring_beta,
+            "engine_small_s": engine[0], "engine_large_s": engine[1],
+            "bucket_bytes": bucket_bytes, "bucket_s": buckets}
+
+
+def _engine(tensor: torch.Tensor) -> object:
+    return collectives.allreduce_(tensor, check=False)
+
+
+def _timed(run: Callable[[torch.Tensor], object], nbytes: int,
+           pick: Callable[[list[float]], float] = statistics.median) -> float:
+    tensor = torch.zeros(max(nbytes // 4, 1))
+    run(tensor)  # warm: buffers, connections
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        run(tensor)
+        times.append(time.perf_counter() - started)
+    return pick(times)

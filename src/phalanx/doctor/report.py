@@ -1,0 +1,104 @@
+"""The doctor's report as text: the step, the communication, the host, causes, noise scale, predictions, advice."""
+
+from __future__ import annotations
+
+from phalanx.doctor.diagnosis import Diagnosis
+from phalanx.doctor.measured import Measured
+from phalanx.doctor.predict import Prediction
+
+
+def render(diagnosis: Diagnosis, script: str) -> str:
+    """The whole report."""
+    run = diagnosis.measured
+    sections = [_header(run, diagnosis.reference, script), _phases(run), _communication(run), _host(run),
+                _causes(diagnosis.causes), _noise(diagnosis), _predictions(diagnosis.predictions),
+                _recommendations(diagnosis)]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _header(run: Measured, reference: Measured | None, script: str) -> str:
+    line = (f"phalanx doctor: {script} on {run.world_size} worker(s), transport {run.transport}; {run.steps} timed "
+            f"steps of a global batch of {run.global_batch:g}: {_ms(run.step_s)} per step, "
+            f"{run.global_batch / run.step_s:.0f} samples/s")
+    if reference is not None:
+        line += f"\n1 worker, same script and batch: {_ms(reference.step_s)} per step"
+    return line
+
+
+def _phases(run: Measured) -> str:
+    rows = [("data wait", run.data_wait_s), ("forward", run.forward_s), ("backward", run.backward_s),
+            ("(forward+backward)", None if run.forward_s is not None else run.compute_s),
+            ("exposed comm", run.exposed_comm_s), ("optimizer", run.optimizer_s), ("other", run.other_s)]
+    lines = ["Per step (mean over ranks):"]
+    lines += [f"  {name:<20}{_ms(value):>10}  {100 * value / run.step_s:5.1f}%" for name, value in rows if value is not None]
+    return "\n".join(lines)
+
+
+def _communication(run: Measured) -> str:
+    figures = run.transport_figures
+    if not figures:
+        return "Communication: none (one worker)."
+    alone = run.comm_alone_s or 0.0
+    lines = [f"Communication: {run.bytes_per_step / 1e6:.2f} MB reduced per step in {len(run.buckets)} bucket(s); "
+             f"alone they take {_ms(alone)} ({run.bytes_per_step / alone / 1e9:.2f} GB/s achieved), beside "
+             f"backward {_ms(run.exposed_comm_s)} is exposed: {100 * (run.overlapped or 0):.0f}% overlapped",
+             f"  link (point-to-point over Gloo): latency {figures['p2p_alpha_s'] * 1e3:.3f} ms, bandwidth "
+             f"{_gbit(figures['p2p_beta_s_per_byte'])}; Gloo ring: alpha {figures['ring_alpha_s'] * 1e3:.3f} ms, "
+             f"{_gbit(figures['ring_beta_s_per_byte'])}",
+             "  bucket timeline (launch after backward began / size / alone / waited at backward's end):"]
+    lines += [f"    #{i}: {_ms(b.ready_s):>9} {b.bytes / 1e6:8.2f} MB {_ms(b.alone_s):>9} {_ms(b.exposed_s):>9}"
+              for i, b in enumerate(run.buckets)]
+    return "\n".join(lines)
+
+
+def _gbit(beta: float) -> str:
+    return f"{8e-9 / beta:.1f} Gbit/s" if beta > 0 else "beyond measuring"
+
+
+def _host(run: Measured) -> str:
+    verdict = "oversubscribed: workers take turns on the cores" if run.oversubscription > 1 else "not oversubscribed"
+    return (f"Host: {run.workers_per_host} worker(s) x {run.threads} thread(s) on {run.cores} core(s) "
+            f"({run.oversubscription:.1f} per core, {verdict}); CPU time {_ms(run.cpu_s)} per step of {_ms(run.step_s)}; "
+            f"data wait {100 * run.data_wait_s / run.step_s:.0f}% of the step")
+
+
+def _causes(causes: list[str]) -> str:
+    return "Why the step takes what it takes:\n" + "\n".join(f"  - {c}" for c in causes) if causes else ""
+
+
+def _noise(diagnosis: Diagnosis) -> str:
+    scale = diagnosis.noise
+    if scale is None:
+        return "Gradient noise scale: not measured (needs 2 or more workers and the default reduction)."
+    value = f"{scale.b_simple:.0f}" if scale.b_simple is not None else "beyond measuring (|G|² <= 0)"
+    return (f"Gradient noise scale B_simple = {value} from {scale.samples} rank-steps (critical batch ~ B_simple)\n"
+            f"  larger global batch / more workers shorten training? {scale.verdict()}\n"
+            f"  learning rate: {scale.learning_rate_rule()}")
+
+
+def _predictions(predictions: list[Prediction]) -> str:
+    if not predictions:
+        return ""
+    lines = ["Predicted (on this host: the measured global batch; across hosts: the measured batch per worker):",
+             "  workers  per host  link          global batch     step  samples/s  efficiency"]
+    for p in predictions:
+        link = ("this host" if p.layout.hosts == 1 else
+                "measured" if p.layout.bandwidth_gbit is None else f"{p.layout.bandwidth_gbit:g} Gbit/s")
+        lines.append(f"  {p.layout.world_size:>7}  {p.layout.workers_per_host:>8}  {link:<12}{p.global_batch:>14g}"
+                     f"{_ms(p.step_s):>10}"
+                     f"  {p.throughput:>9.0f}  {100 * p.efficiency:>9.0f}%")
+    return "\n".join(lines)
+
+
+def _recommendations(diagnosis: Diagnosis) -> str:
+    if not diagnosis.recommendations:
+        return "Recommendations: none predicted to gain 3% or more."
+    lines = ["Recommendations, best first (predicted step per global batch of the run, gain in time to train):"]
+    for index, r in enumerate(diagnosis.recommendations, 1):
+        note = f" ({r.note})" if r.note else ""
+        lines.append(f"  {index}. {r.action}: {_ms(r.step_s)}, {r.gain:.2f}x{note}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""What each worker of ``phalanx doctor`` runs: the user's script under instrumentation.
+
+``python -m phalanx.doctor.session --out DIR --steps K --warmup W script.py [args]`` switches the
+recorder on, counts optimizer steps (torch's global optimizer hooks), and after ``W + K`` steps
+measures the transport (every rank is at the same step boundary), writes ``DIR/rank-R.json`` and
+ends the process: the doctor needs a few steps, not the whole training. Every other measured step
+also records gradient norms for the noise scale (see :mod:`phalanx.doctor.probe`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from phalanx import profile
+from phalanx.comm import runtime
+from phalanx.doctor.calibrate import measure_transport
+from phalanx.doctor.probe import Probe
+from phalanx.parallel.reductions import Reduction
+
+logger = logging.getLogger(__name__)
+
+
+class Session:
+    """The instrumentation of one worker: recorder, probes, step counting, the records file."""
+
+    def __init__(self, out: Path, steps: int, warmup: int):
+        self.out, self.steps, self.warmup = out, steps, warmup
+        self.recorder = profile.Recorder(self._probe)
+        self.probes: list[Probe] = []
+        self.optimizer: int | None = None  # the first optimizer stepped: its steps are the training steps
+        self.count = 0
+
+    def start(self) -> None:
+        """Switch the recorder on and watch the optimizer's steps."""
+        profile.recorder = self.recorder
+        register_optimizer_step_pre_hook(self._before_step)
+        register_optimizer_step_post_hook(self._after_step)
+
+    def _probe(self, reduction: Reduction) -> Probe:
+        probe = Probe(reduction, self.recorder)
+        self.probes.append(probe)
+        return probe
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.optimizer in (None, id(optimizer)):
+            self.recorder.mark("optimizer")
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.optimizer is None:
+            self.optimizer = id(optimizer)
+        if id(optimizer) != self.optimizer:
+            return
+        self.count += 1
+        self.recorder.mark("step", cpu=time.process_time())
+        for probe in self.probes:  # norms on every other measured step, the rest are timed
+            probe.measure_norms = self.count >= self.warmup and (self.count - self.warmup) % 2 == 0
+        if self.count == self.warmup + self.steps:
+            self.finish(complete=True)
+
+    def finish(self, complete: bool) -> None:
+        """Write this rank's records; once every step was seen, measure the transport and end the process."""
+        record = {"rank": runtime.rank() if runtime.is_initialized() else 0, "warmup": self.warmup,
+                  "host": _host_facts(), "events": self.recorder.events, "complete": complete}
+        if runtime.is_initialized():
+            record.update(world_size=runtime.size(), local_size=runtime.local_size(), node=runtime.node_rank(),
+                          transport="shm" if runtime.shm_executor() is not None else "gloo")
+            if complete and runtime.size() > 1:
+                record["transport_figures"] = measure_transport(self._bucket_bytes())
+        path = self.out / f"rank-{record['rank']}.json"
+        path.write_text(json.dumps(record))
+        if complete:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    def _bucket_bytes(self) -> list[int]:
+        """The bytes of each bucket of the last step, in launch order."""
+        sizes: dict[int, int] = {}
+        for name, _, fields in self.recorder.events:
+            if name == "launch":
+                sizes[int(fields["bucket"])] = int(fields["bytes"])
+        return [sizes[index] for index in sorted(sizes)]
+
+
+def _host_facts() -> dict[str, Any]:
+    """What oversubscription depends on: the cores this process may use and its threads."""
+    return {"cores": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(), "hostname": os.uname().nodename}
+
+
+def main(argv: list[str]) -> None:
+    """Parse the session's options, switch it on, and run the script as ``python script.py`` would."""
+    parser = argparse.ArgumentParser(prog="phalanx.doctor.session")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    session = Session(options.out, options.steps, options.warmup)
+    session.start()
+    sys.argv = [options.script, *options.args]
+    sys.path[0] = os.path.dirname(os.path.abspath(options.script))
+    try:
+        runpy.run_path(options.script, run_name="__main__")
+    finally:
+        session.finish(complete=False)  # the script ended (or failed) before enough steps
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
