@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,7 @@ class LaunchConfig:
     min_workers: int | None = None
     heartbeat_timeout_s: float | None = None
     servers_per_node: int = 0
+    hostname: str | None = None  # this host's name in -H/--hostfile (HOROVOD_HOSTNAME)
 
     @property
     def num_servers(self) -> int:
@@ -181,6 +183,7 @@ class LaunchConfig:
         variables = {key: str(value) for key, value in layout.items()}
         variables.update({f"PHALANX_{key}": value for key, value in variables.items()})
         variables.update(self._torchrun_variables(rank, master_port))
+        variables.update(self._horovod_variables(rank, local_rank))
         variables.update(self._common_variables(master_port))
         if self.elastic:
             variables[ELASTIC_ENV] = "1"
@@ -210,6 +213,13 @@ class LaunchConfig:
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                 "GROUP_RANK": str(self.node_rank), "GROUP_WORLD_SIZE": str(self.max_nodes),
                 "ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size)}
+
+    def _horovod_variables(self, rank: int, local_rank: int) -> dict[str, str]:
+        """What horovodrun's Gloo mode tells each worker, for scripts that read them."""
+        layout = {"RANK": rank, "SIZE": self.world_size, "LOCAL_RANK": local_rank,
+                  "LOCAL_SIZE": self.nproc_per_node, "CROSS_RANK": self.node_rank, "CROSS_SIZE": self.max_nodes,
+                  "HOSTNAME": self.hostname or socket.gethostname()}
+        return {f"HOROVOD_{key}": str(value) for key, value in layout.items()}
 
     def _validate_counts(self) -> None:
         if self.nproc_per_node < 1:
@@ -272,6 +282,56 @@ class LaunchConfig:
                 f"script {self.target!r} not found (from {os.getcwd()}): check the path, "
                 "or pass -m to run a module by its dotted name."
             )
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """``"host1:4,host2:4"`` (horovodrun's -H) as ``[(host, slots), ...]``; a host without ``:slots`` has 1."""
+    hosts = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, slots = entry.rpartition(":") if ":" in entry else (entry, "", "1")
+        try:
+            count = int(slots)
+        except ValueError:
+            count = 0
+        if not name or count < 1:
+            raise ConfigurationError(f"-H takes host:slots entries separated by commas, like host1:4,host2:4; "
+                                     f"got {entry!r}.")
+        hosts.append((name, count))
+    if not hosts:
+        raise ConfigurationError("-H names no host: pass host1:slots,host2:slots.")
+    return hosts
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """A horovodrun/MPI host file: one host per line, ``host slots=N`` or ``host:N`` (``#`` comments)."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as error:
+        raise ConfigurationError(f"cannot read the host file {path!r}: {error.strerror}.") from None
+    entries = []
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = next((w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")), None)
+        entries.append(f"{words[0]}:{slots}" if slots is not None else words[0])
+    return parse_hosts(",".join(entries))
+
+
+def this_host_index(hosts: list[tuple[str, int]]) -> int:
+    """Which entry of ``hosts`` is this machine: its host name, fully qualified name or one of its addresses."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    for index, (host, _) in enumerate(hosts):
+        if host in names or (len(hosts) == 1 and is_loopback(host)) or host.split(".")[0] == socket.gethostname():
+            return index
+    raise ConfigurationError(
+        f"this host ({socket.gethostname()}) is not among the hosts {[h for h, _ in hosts]}: name it as its host "
+        "name or address, or pass --node-rank to say which entry it is."
+    )
 
 
 def job_id() -> str:

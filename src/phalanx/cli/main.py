@@ -11,7 +11,14 @@ import sys
 from typing import IO, Sequence
 
 from phalanx.cli import tune
-from phalanx.cli.config import DEFAULT_GRACE_S, DEFAULT_MASTER_ADDR, LaunchConfig
+from phalanx.cli.config import (
+    DEFAULT_GRACE_S,
+    DEFAULT_MASTER_ADDR,
+    LaunchConfig,
+    parse_hosts,
+    read_hostfile,
+    this_host_index,
+)
 from phalanx.cli.elastic import ElasticSupervisor
 from phalanx.cli.launcher import Supervisor
 from phalanx.errors import ConfigurationError
@@ -41,6 +48,8 @@ exit status:
 
 examples:
   phalanx run -n 4 train.py --epochs 3
+  phalanx run -np 2 train.py                                 # horovodrun's spelling of -n
+  phalanx run -np 8 -H node1:4,node2:4 train.py              # on each host: derives nnodes, node rank, -n
   phalanx run -n 2 -m mypackage.train --lr 0.1
   phalanx run -n 4 --min-workers 2 train.py                  # elastic, one host
   phalanx run -n 3 --servers 2 train.py                      # 3 workers, 2 parameter servers
@@ -150,15 +159,25 @@ def split_run_argv(argv: Sequence[str], value_options: frozenset[str]) -> tuple[
 def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) -> LaunchConfig:
     """The :class:`LaunchConfig` a parsed ``phalanx run`` command line asks for."""
     nnodes, max_nnodes = parse_nnodes(namespace.nnodes)
+    nproc, node_rank = namespace.np or namespace.nproc_per_node, namespace.node_rank
+    master_addr, master_port, hostname = namespace.master_addr, namespace.master_port, None
+    if namespace.hosts or namespace.hostfile:
+        hosts = parse_hosts(namespace.hosts) if namespace.hosts else read_hostfile(namespace.hostfile)
+        nnodes, nproc = len(hosts), _per_host(hosts, namespace.np)
+        node_rank = node_rank if node_rank is not None else this_host_index(hosts)
+        hostname = hosts[node_rank][0] if 0 <= node_rank < len(hosts) else None
+        if len(hosts) > 1:
+            master_addr = hosts[0][0] if master_addr == DEFAULT_MASTER_ADDR else master_addr
+            master_port = master_port or HOROVOD_DEFAULT_PORT
     return LaunchConfig(
         target=namespace.target or "",
         args=tuple(target_args),
         is_module=namespace.module,
-        nproc_per_node=namespace.nproc_per_node,
+        nproc_per_node=nproc,
         nnodes=nnodes,
-        node_rank=namespace.node_rank,
-        master_addr=namespace.master_addr,
-        master_port=namespace.master_port,
+        node_rank=node_rank or 0,
+        master_addr=master_addr,
+        master_port=master_port,
         timeout_s=namespace.timeout,
         grace_s=namespace.grace,
         prefix_output=not namespace.no_prefix,
@@ -166,7 +185,28 @@ def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) 
         min_workers=namespace.min_workers,
         heartbeat_timeout_s=namespace.heartbeat_timeout,
         servers_per_node=namespace.servers,
+        hostname=hostname,
     )
+
+
+HOROVOD_DEFAULT_PORT = 29500  # -H over several hosts without --master-port: node 0's store listens here
+
+
+def _per_host(hosts: list[tuple[str, int]], total: int | None) -> int:
+    """Workers per host for -H/--hostfile: ``-np`` shared equally (at most the slots), else the slots.
+
+    Phalanx numbers ranks ``node_rank * N + local_rank``, so every host runs the same number.
+    """
+    slots = {count for _, count in hosts}
+    if total is None:
+        if len(slots) > 1:
+            raise ConfigurationError(f"the hosts have different slot counts {sorted(slots)}: phalanx runs the same "
+                                     "number of workers on every host; pass -np N to run N / hosts on each.")
+        return slots.pop()
+    if total % len(hosts) or total // len(hosts) > min(slots):
+        raise ConfigurationError(f"-np {total} cannot be shared equally among {len(hosts)} hosts with "
+                                 f"{min(slots)} slot(s) each: phalanx runs the same number of workers on every host.")
+    return total // len(hosts)
 
 
 def parse_nnodes(text: str) -> tuple[int, int | None]:
@@ -211,11 +251,17 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
             value_options.extend(flags)
 
     option("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="worker processes to start (default 1)")
+    option("-np", "--num-proc", dest="np", type=int, default=None, metavar="N",
+           help="horovodrun's -np: workers in all (with -H shared equally among the hosts), else like -n")
+    option("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+           help="horovodrun's host list: on each host the launcher takes nnodes from it, its node rank from "
+                "this host's place, -n from the slots (or -np) and the master address from the first host")
+    option("--hostfile", default=None, metavar="FILE", help="the host list as a file: `host slots=N` per line")
     option("-m", "--module", action="store_true", help="run the target as a module, like `python -m`")
     option("--nnodes", default="1", metavar="N|MIN:MAX",
            help="hosts taking part, one launcher each (default 1); a range MIN:MAX makes the job elastic")
-    option("--node-rank", type=int, default=0, metavar="I",
-           help="this host's index, 0 to nnodes-1 (default 0); node 0 hosts the rendezvous store")
+    option("--node-rank", type=int, default=None, metavar="I",
+           help="this host's index, 0 to nnodes-1 (default 0, or this host's place in -H); node 0 hosts the store")
     option("--min-workers", type=int, default=None, metavar="K",
            help="elastic: go on after losing workers while at least K remain (default: stop at the first failure)")
     option("--servers", type=int, default=0, metavar="S",

@@ -1,0 +1,81 @@
+"""A Horovod elastic training script for the tests, run by ``phalanx run -np 3 --min-workers 2``.
+
+It trains an MLP with ``hvd.elastic.TorchState``, ``hvd.elastic.ElasticSampler``,
+``hvd.DistributedOptimizer`` and ``@hvd.elastic.run``, committing after every step. It writes its
+pid to ``--pids`` and rank 0's committed step to ``--progress``; at the end rank 0 saves the
+weights, the size, what the reset callbacks saw and how many samples each epoch processed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.set_num_threads(1)
+SAMPLES, FEATURES, BATCH, EPOCHS = 240, 8, 4, 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for option in ("--out", "--pids", "--progress"):
+        parser.add_argument(option, required=True)
+    parser.add_argument("--step-sleep", type=float, default=0.03)
+    args = parser.parse_args()
+    with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    dataset = torch.utils.data.TensorDataset(x, x @ torch.linspace(-1, 1, FEATURES).unsqueeze(1))
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                         named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, step=0,
+                                   processed=[0] * EPOCHS)
+    resets: list[int] = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> int:
+        for state.epoch in range(state.epoch, EPOCHS):
+            if state.batch == 0:
+                sampler.set_epoch(state.epoch)
+            for batch_idx, (data, target) in enumerate(loader):
+                optimizer.zero_grad()
+                F.mse_loss(model(data), target).backward()
+                optimizer.step()
+                sampler.record_batch(batch_idx, BATCH)
+                state.batch += 1
+                state.step += 1
+                state.processed[state.epoch] = len(sampler.processed_indices)
+                time.sleep(args.step_sleep)
+                state.commit()
+                if hvd.rank() == 0:
+                    with open(args.progress + ".tmp", "w") as handle:
+                        handle.write(str(state.step))
+                    os.replace(args.progress + ".tmp", args.progress)
+            state.batch = 0
+        return state.step
+
+    steps = train(state)
+    sums = hvd.allgather_object(float(sum(p.double().sum() for p in model.parameters())))
+    if hvd.rank() == 0:
+        loss = F.mse_loss(model(x), dataset.tensors[1]).item()
+        torch.save({"size": hvd.size(), "steps": steps, "resets": resets, "sums": sums, "loss": loss,
+                    "processed": list(state.processed)}, args.out)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
