@@ -290,7 +290,11 @@ def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:
     group of their own, created at the first call: a collective, every rank calls it at the same point."""
     runtime = _require_runtime()
     if runtime.messages is None:
+        before = socket_inodes()
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runtime.timeout_s))
+        runtime.sockets.update({inode: fd for inode, fd in socket_inodes().items() if inode not in before})
+        if _elastic is not None:  # a broken generation's watchdog must be able to cut these too
+            _elastic.track(runtime.generation, dict(runtime.sockets))
         runtime.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
     return runtime.messages
 
@@ -386,8 +390,8 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
             f"rendezvous on rank {info.rank} failed: not all {info.world_size} workers joined within "
             f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
         ) from error
-    sockets = {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
     executor = _open_shm(info, store, generation, transport, backend, timeout_s)
+    sockets = {inode: fd for inode, fd in socket_inodes().items() if inode not in before}  # cross-host groups too
     return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
                     sockets=sockets, transport=transport, shm=executor)
 
