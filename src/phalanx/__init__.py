@@ -3,6 +3,8 @@
 ``import phalanx as px``; ``px.init()``; then the collectives below, and the layers built on them.
 """
 
+from typing import TYPE_CHECKING, Any, Sequence
+
 from phalanx.comm.collectives import (
     Handle,
     allgather,
@@ -58,10 +60,21 @@ from phalanx.errors import (
     WorkerFailedError,
 )
 
+if TYPE_CHECKING:
+    from phalanx.doctor.diagnosis import Diagnosis
+
 __version__ = "0.1.0"
 
+
+def diagnose(script: str, args: Sequence[str] = (), workers: int = 2, **options: Any) -> "Diagnosis":
+    """``phalanx doctor`` from Python: run ``script`` on ``workers`` workers and one, and diagnose
+    its steps (options as :func:`phalanx.cli.doctor.diagnose`; see docs/doctor.md)."""
+    from phalanx.cli.doctor import diagnose as run  # the launcher loads only when asked for
+
+    return run(script, args, workers, **options)
+
 __all__ = [
-    "CentralStorage", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "lr",
+    "diagnose", "CentralStorage", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",

@@ -70,8 +70,8 @@ scale, predicted step times from 1 to 1024 workers, and recommendations ranked b
 See docs/doctor.md."""
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
-    """The ``phalanx doctor`` parser, and its options that take a value."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``phalanx doctor`` parser: its options, then the script and the script's arguments untouched."""
     parser = argparse.ArgumentParser(prog="phalanx doctor", description=DESCRIPTION, allow_abbrev=False)
     parser.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (default 2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="K",
@@ -88,15 +88,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"bound on each run and collective (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("target", metavar="script.py", help="the training script")
-    parser.add_argument("args", nargs="*", help="the script's arguments, unchanged")
-    values = frozenset({"-n", "--nproc-per-node", "--steps", "--warmup", "--bandwidth", "--trace", "--plot", "--timeout"})
-    return parser, values
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments, unchanged")
+    return parser
 
 
-def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
+def run(namespace: argparse.Namespace) -> int:
     """Diagnose, then print the report (or the JSON object) and write the plot and the trace."""
     bandwidths = parse_bandwidths(namespace.bandwidth)
-    diagnosis = diagnose(namespace.target, script_args, namespace.nproc_per_node, namespace.steps, namespace.warmup,
+    diagnosis = diagnose(namespace.target, namespace.args, namespace.nproc_per_node, namespace.steps, namespace.warmup,
                          bandwidths, namespace.timeout)
     if namespace.trace:
         trace.write(diagnosis.records, namespace.trace)
@@ -125,13 +124,9 @@ def parse_bandwidths(values: Sequence[str]) -> list[float]:
 
 def main(argv: list[str]) -> int:
     """``phalanx doctor``: parse (the script's arguments stay untouched), run; errors print what to do."""
-    from phalanx.cli.main import split_run_argv
-
-    parser, values = build_parser()
-    own, target = split_run_argv(argv, values)
-    namespace = parser.parse_args([*own, *(["--", target[0]] if target else [])])
+    namespace = build_parser().parse_args(argv)
     try:
-        return run(namespace, target[1:])
+        return run(namespace)
     except PhalanxError as error:
         print(f"phalanx doctor: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ConfigurationError) else 1

@@ -58,8 +58,9 @@ def recommend(run: Measured, model: ScalingModel | None, scale: NoiseScale | Non
     if model is None:
         return []
     now = predict(model, Layout(run.world_size, run.workers_per_host)).step_s
-    found = [*_fewer_workers(run, model, now), *_fusion(run, model, now), *_compression(run, model, now),
-             *_accumulation(run, model, now, scale), *_batch_size(run, model, now, scale)]
+    found = [*_fewer_workers(run, model, now), *_fusion(run, model, now), *_compression(run, model, now)]
+    if scale is not None:  # a larger batch helps only as far as the noise scale says
+        found += [*_accumulation(run, model, now, scale), *_batch_size(run, model, now, scale)]
     return sorted((r for r in found if r.gain >= MIN_GAIN), key=lambda r: r.gain, reverse=True)
 
 
@@ -90,7 +91,7 @@ def _compression(run: Measured, model: ScalingModel, now: float) -> list[Recomme
                            "about three significant digits per gradient; check the accuracy")]
 
 
-def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseScale | None) -> list[Recommendation]:
+def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseScale) -> list[Recommendation]:
     found = []
     layout = Layout(run.world_size, run.workers_per_host)
     for k in (2, 4):
@@ -103,7 +104,7 @@ def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseSc
     return found
 
 
-def _batch_size(run: Measured, model: ScalingModel, now: float, scale: NoiseScale | None) -> list[Recommendation]:
+def _batch_size(run: Measured, model: ScalingModel, now: float, scale: NoiseScale) -> list[Recommendation]:
     found = []
     for k in (2, 4):
         bigger = predict(model, Layout(run.world_size, run.workers_per_host), k * run.global_batch)
@@ -115,14 +116,14 @@ def _batch_size(run: Measured, model: ScalingModel, now: float, scale: NoiseScal
     return found
 
 
-def _steps_ratio(scale: NoiseScale | None, batch: float, bigger: float) -> float:
-    """Samples to the same loss at ``batch`` over at ``bigger`` (McCandlish: S = S_min (1 + B_noise/B))."""
-    if scale is None or scale.b_simple is None:
+def _steps_ratio(scale: NoiseScale, batch: float, bigger: float) -> float:
+    """Samples to the same loss at ``batch`` over at ``bigger`` (McCandlish: E = E_min (1 + B/B_noise))."""
+    if scale.b_simple is None:  # noise dominates: the samples needed do not grow
         return 1.0
     return (batch + scale.b_simple) / (bigger + scale.b_simple)
 
 
-def _batch_note(scale: NoiseScale | None, batch: float) -> str:
-    if scale is None or scale.b_simple is None:
-        return "; no noise scale measured, so the gain assumes the samples needed do not grow"
+def _batch_note(scale: NoiseScale, batch: float) -> str:
+    if scale.b_simple is None:
+        return "; the gradient noise dominates, so the samples needed do not grow"
     return f"; counts the extra samples a batch of {batch:g} needs against a critical batch of {scale.b_simple:.0f}"

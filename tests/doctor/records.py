@@ -1,0 +1,54 @@
+"""Recorded doctor events made by hand: steps of known phases, for testing the analysis in-process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+FORWARD, BACKWARD, OPTIMIZER, DATA = 0.010, 0.020, 0.002, 0.001
+BUCKETS = ((0.25, 1_000_000, 0.0), (1.0, 3_000_000, 0.004))  # (ready share of backward, bytes, waited)
+
+
+def steps(count: int, rank: int = 0, wait_scale: float = 1.0, samples: int = 32,
+          compute_scale: float = 1.0) -> list[list[Any]]:
+    """Events of a warm-up step's end, then ``count`` steps: data, forward, backward, buckets launched
+    and waited for, optimizer."""
+    events: list[list[Any]] = [["step", 0.0, {"cpu": 0.0}]]
+    t = 0.0
+    for _ in range(count):
+        events.append(["data", t + DATA, {"started": t}])
+        t += DATA
+        events.append(["forward", t, {"samples": samples}])
+        t += FORWARD * compute_scale
+        begin = t
+        events.append(["backward", t, {}])
+        exposed = 0.0
+        for index, (share, nbytes, waited) in enumerate(BUCKETS):
+            events.append(["launch", begin + share * BACKWARD * compute_scale, {"bucket": index, "bytes": nbytes}])
+        t = begin + BACKWARD * compute_scale
+        for index, (_, _, waited) in enumerate(BUCKETS):
+            events.append(["wait", t + waited * wait_scale, {"started": t, "bucket": index}])
+            t += waited * wait_scale
+            exposed += waited * wait_scale
+        events.append(["optimizer", t, {}])
+        t += OPTIMIZER
+        events.append(["step", t, {"cpu": t}])
+    return events
+
+
+def record(rank: int = 0, world: int = 2, local: int = 2, cores: int = 2, count: int = 6, warmup: int = 1,
+           samples: int = 32, wait_scale: float = 1.0, compute_scale: float = 1.0) -> dict[str, Any]:
+    """One rank's record as the session writes it."""
+    figures = None
+    if world > 1:
+        figures = {"p2p_alpha_s": 1e-4, "p2p_beta_s_per_byte": 1e-10, "ring_alpha_s": 2e-4,
+                   "ring_beta_s_per_byte": 2e-10, "engine_small_s": 1e-4, "engine_large_s": 1e-4 + (4 << 20) * 1e-9,
+                   "bucket_bytes": [b[1] for b in BUCKETS], "bucket_s": [1e-4 + b[1] * 1e-9 for b in BUCKETS]}
+    return {"rank": rank, "warmup": warmup, "complete": True, "world_size": world, "local_size": local, "node": 0,
+            "transport": "shm" if world > 1 else "gloo", "transport_figures": figures,
+            "host": {"cores": cores, "cpu_count": cores, "threads": 1, "interop_threads": 1, "hostname": "h"},
+            "events": steps(count, rank, wait_scale, samples, compute_scale) if world > 1
+            else _without_buckets(steps(count, samples=samples, compute_scale=compute_scale))}
+
+
+def _without_buckets(events: list[list[Any]]) -> list[list[Any]]:
+    return [e for e in events if e[0] not in ("launch", "wait", "backward")]

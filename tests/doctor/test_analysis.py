@@ -1,0 +1,83 @@
+"""The doctor's analysis on recorded events: phases, predictions, causes, recommendations, the trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from phalanx.comm import cost
+from phalanx.doctor import advice, predict, trace
+from phalanx.doctor.diagnosis import diagnose_records
+from phalanx.doctor.measured import summarize
+from tests.doctor import records as fake
+
+
+def test_the_phases_of_a_step_are_recovered_from_its_events() -> None:
+    run = summarize([fake.record(rank) for rank in range(2)])
+    waited = sum(b[2] for b in fake.BUCKETS)
+    assert run.step_s == pytest.approx(fake.DATA + fake.FORWARD + fake.BACKWARD + waited + fake.OPTIMIZER)
+    assert (run.data_wait_s, run.forward_s, run.backward_s) == pytest.approx((fake.DATA, fake.FORWARD, fake.BACKWARD))
+    assert (run.exposed_comm_s, run.optimizer_s, run.other_s) == pytest.approx((waited, fake.OPTIMIZER, 0.0), abs=1e-9)
+    assert run.global_batch == 64 and run.bytes_per_step == sum(b[1] for b in fake.BUCKETS)
+    assert [b.ready_s for b in run.buckets] == pytest.approx([s * fake.BACKWARD for s, _, _ in fake.BUCKETS])
+    assert run.steps == 6
+
+
+def test_the_model_reproduces_the_measured_configuration() -> None:
+    run = summarize([fake.record(rank) for rank in range(2)])
+    model = predict.fit(run)
+    assert predict.predict(model, predict.Layout(2, 2)).step_s == pytest.approx(run.step_s, rel=1e-6)
+
+
+def test_across_hosts_the_buckets_cost_what_the_alpha_beta_ring_says() -> None:
+    model = predict.fit(summarize([fake.record(rank, world=2, local=1) for rank in range(2)]))
+    link = cost.Link(2e-4, 8e-9 / 1.0)  # the measured ring latency, 1 Gbit/s
+    expected = sum(cost.predict("ring", nbytes, 2, link) for _, nbytes, _ in fake.BUCKETS)
+    assert predict.predict(model, predict.Layout(2, 1, 1.0)).comm_s == pytest.approx(expected)
+
+
+def test_more_workers_than_cores_slow_the_compute_down_in_proportion() -> None:
+    model = predict.fit(summarize([fake.record(rank) for rank in range(2)]))
+    per_worker = model.work_fixed_s + model.work_per_sample_s * 64 / 4
+    assert predict.predict(model, predict.Layout(4, 4)).compute_s == pytest.approx(2.0 * per_worker)
+    assert predict.predict(model, predict.Layout(2, 2)).compute_s == pytest.approx(model.work_per_sample_s * 32)
+
+
+def test_an_oversubscribed_run_is_told_so_and_to_run_fewer_workers() -> None:
+    run = [fake.record(rank, world=4, local=4, samples=4, wait_scale=3.0) for rank in range(4)]
+    reference = [fake.record(0, world=1, local=1, samples=16, compute_scale=1.5)]  # 4x the samples, 1.5x the time
+    diagnosis = diagnose_records(run, reference, [1.0])
+    assert any(cause.startswith("oversubscription: 4 workers") for cause in diagnosis.causes)
+    assert any(cause.startswith("per-step communication") for cause in diagnosis.causes)
+    first = diagnosis.recommendations[0]
+    assert first.kind == "workers" and first.action.startswith("run 2 worker(s)")
+    assert first.step_s == pytest.approx(predict.predict(diagnosis.model, predict.Layout(2, 2)).step_s)
+    assert first.gain == pytest.approx(diagnosis.measured.step_s / first.step_s) and first.gain > 1.2
+    gains = [r.gain for r in diagnosis.recommendations]
+    assert gains == sorted(gains, reverse=True) and min(gains) >= advice.MIN_GAIN
+
+
+def test_the_json_object_holds_what_the_issue_promises() -> None:
+    diagnosis = diagnose_records([fake.record(rank) for rank in range(2)], [fake.record(0, world=1, local=1)], [1.0])
+    found = json.loads(json.dumps(diagnosis.as_dict()))
+    assert {"world_size", "step_s", "compute_s", "exposed_comm_s", "data_wait_s"} <= set(found["measured"])
+    predicted = {(p["world_size"], p["bandwidth_gbit"]) for p in found["predicted"]}
+    assert {(1, None), (3, None), (1024, None), (1024, 1.0)} <= predicted
+    assert all({"world_size", "bandwidth_gbit", "step_s", "efficiency"} <= set(p) for p in found["predicted"])
+    assert set(found["noise_scale"] or {"b_simple": 0, "critical_batch": 0}) >= {"b_simple", "critical_batch"}
+
+
+def test_the_trace_puts_every_rank_on_its_own_track_with_waits_inside_backward() -> None:
+    events = trace.chrome_trace([fake.record(rank) for rank in range(2)])["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+    for rank in (0, 1):
+        backward = [e for e in slices if e["pid"] == rank and e["name"] == "backward"]
+        waits = [e for e in slices if e["pid"] == rank and e["name"].startswith("exposed comm")]
+        assert len(backward) == 6 and len(waits) == 12
+        assert all(any(b["ts"] <= w["ts"] and w["ts"] + w["dur"] <= b["ts"] + b["dur"] + 1e-6 for b in backward)
+                   for w in waits)
+    assert {e["tid"] for e in slices if e["name"].startswith("allreduce")} == {1, 2}

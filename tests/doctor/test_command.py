@@ -1,0 +1,57 @@
+"""`phalanx doctor` end to end on a problem whose noise scale is known exactly, and on a script too short."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import phalanx as px
+from tests.doctor import linear_regression as problem
+
+SCRIPT = Path(problem.__file__)
+
+
+def exact_noise_scale() -> float:
+    """tr(Σ)/|G|² of the per-sample gradients of the whole dataset at the script's weights."""
+    x, y = problem.dataset()
+    gradients = 2 * (x @ torch.full((problem.FEATURES,), problem.WEIGHT) - y[:, 0])[:, None] * x
+    mean = gradients.mean(0)
+    return float(((gradients - mean) ** 2).sum(1).mean() / mean.dot(mean))
+
+
+def test_doctor_reports_json_trace_plot_and_the_noise_scale_within_a_factor_two(tmp_path: Path) -> None:
+    trace, plot = tmp_path / "trace.json", tmp_path / "scaling.png"
+    done = subprocess.run([sys.executable, "-m", "phalanx", "doctor", "-n", "2", "--steps", "30", "--warmup", "2",
+                           "--json", "--trace", str(trace), "--plot", str(plot), "--bandwidth", "1", str(SCRIPT)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    measured = found["measured"]
+    assert measured["world_size"] == 2 and measured["global_batch"] == 64 and measured["step_s"] > 0
+    assert measured["compute_s"] > 0 and measured["bytes_per_step"] > 0 and found["reference"]["world_size"] == 1
+    assert {(p["world_size"], p["bandwidth_gbit"]) for p in found["predicted"]} >= {(3, None), (1024, 1.0)}
+    truth = exact_noise_scale()
+    assert truth / 2 <= found["noise_scale"]["b_simple"] <= 2 * truth, (found["noise_scale"], truth)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X" and e["name"] == "backward"} == {0, 1}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_script_shorter_than_the_measured_steps_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    script = tmp_path / "short.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.nn.functional as F, phalanx as px
+        px.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, (torch.randn(64, 4), torch.randn(64, 1)),
+               epochs=1, global_batch_size=16, verbose=0)
+    """))
+    with pytest.raises(px.ConfigurationError, match="ended before 2 warm-up and 10 measured steps"):
+        px.diagnose(str(script), workers=2, steps=10, warmup=2, timeout_s=60)
