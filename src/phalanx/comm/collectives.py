@@ -636,13 +636,9 @@ def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: 
 def _record(operation: str, tensor: torch.Tensor, detail: int) -> torch.Tensor:
     if tensor.dim() > _MAX_DIMS:
         raise ConfigurationError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}.")
-    record = torch.full((_RECORD_LEN,), -1, dtype=torch.int64)
-    record[0] = _OPERATIONS.index(operation)
-    record[1] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
-    record[2] = detail
-    record[3] = tensor.dim()
-    record[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return record
+    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
+    row = [_OPERATIONS.index(operation), dtype, detail, tensor.dim(), *tensor.shape]
+    return torch.tensor(row + [-1] * (_RECORD_LEN - len(row)), dtype=torch.int64)  # one torch call: hot path
 
 
 def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0) -> list[list[int]]:

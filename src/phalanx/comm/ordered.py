@@ -67,12 +67,15 @@ class OrderedExecutor(Generic[G]):
         while (task := self._queue.get()) is not None:
             work, future = task
             try:
-                future.set_result(work())
-            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+                result, error = work(), None
+            except BaseException as failure:  # noqa: BLE001 - handed to whoever waits
+                result, error = None, failure
+            with self._state:  # before the waiter wakes: its next call may then run inline
+                self._pending -= 1
+            if error is None:
+                future.set_result(result)
+            else:
                 future.set_exception(error)
-            finally:
-                with self._state:
-                    self._pending -= 1
 
     def close(self) -> None:
         self.group.abort()
