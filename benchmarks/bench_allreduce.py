@@ -6,14 +6,19 @@
 For each world size one `phalanx run` job; inside it, for each tensor size (4 KB to 100 MB of
 float32) every variant runs once per repetition, in an order shuffled the same on every rank:
 
-  shm        px.allreduce_ with the default transport (shared memory: all workers on this host)
+  shm        px.allreduce_(check=False) with the default transport (shared memory: all workers on this host)
+  shm+check  px.allreduce_ as users call it, with the cross-rank check of shapes and dtypes
   gloo       torch.distributed.all_reduce on the Gloo group (its ring)
   ring, tree, halving_doubling   px.allreduce_(algorithm=...) over Gloo point-to-point messages
 
-Reported on rank 0: median wall ms per allreduce, median CPU ms of the process per allreduce
-(all threads: spinning shows here), and the ratio Gloo / shm. With --netns the job runs on two
+Each measurement is a burst of back-to-back allreduces after one barrier (10 up to 1 MB, 3 at
+21 MB, 1 at 100 MB), divided by their number, so that the ranks' uneven exit from the barrier
+is not counted as allreduce time. Reported on rank 0: median wall ms per allreduce, median CPU
+ms of the process per allreduce (all threads: spinning shows here), and the ratio Gloo / shm. With --netns the job runs on two
 network namespaces joined by a 1 Gbit/s veth (bench_ddp.py's), two workers in each: "shm" is then
-the hierarchical allreduce (shared memory within a namespace, Gloo between), "gloo" the flat ring.
+the hierarchical allreduce (shared memory within a namespace, Gloo's ring between), "gloo" the
+flat ring, "ring"/"tree"/"halving_doubling" the hierarchical allreduce with that algorithm
+between namespaces, and "auto" the hierarchical one with the cost model's choice per slice.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ import torch
 import torch.distributed as dist
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 21 << 20, 100 << 20)
-VARIANTS = ("shm", "gloo", "ring", "tree", "halving_doubling")
+VARIANTS = ("shm", "shm+check", "gloo", "ring", "tree", "halving_doubling")
+ACROSS = (*VARIANTS, "auto")  # two hosts: the algorithm between them, and the cost model's pick
 
 
-def job(reps: int) -> None:
+def job(reps: int, variants: tuple[str, ...]) -> None:
     import phalanx as px
 
     torch.set_num_threads(1)
@@ -42,28 +48,30 @@ def job(reps: int) -> None:
     rows = []
     for size in SIZES:
         tensor = torch.ones(size // 4)
-        wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        wall: dict[str, list[float]] = {v: [] for v in variants}
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
         runs = reps if size < (50 << 20) else max(3, reps // 2)
+        burst = 10 if size <= (1 << 20) else 3 if size < (50 << 20) else 1
         for rep in range(runs):
-            order = list(VARIANTS)
+            order = list(variants)
             random.Random(rep * 7919 + size).shuffle(order)
             for variant in order:
                 px.barrier()
                 started, cpu_started = time.perf_counter(), time.process_time()
-                if variant == "gloo":
-                    dist.all_reduce(tensor)
-                elif variant == "shm":
-                    px.allreduce_(tensor, check=False)
-                else:
-                    px.allreduce_(tensor, check=False, algorithm=variant)
-                wall[variant].append(time.perf_counter() - started)
-                cpu[variant].append(time.process_time() - cpu_started)
+                for _ in range(burst):
+                    if variant == "gloo":
+                        dist.all_reduce(tensor)
+                    elif variant in ("shm", "shm+check"):
+                        px.allreduce_(tensor, check=variant == "shm+check")
+                    else:
+                        px.allreduce_(tensor, check=False, algorithm=variant)
+                wall[variant].append((time.perf_counter() - started) / burst)
+                cpu[variant].append((time.process_time() - cpu_started) / burst)
                 tensor.fill_(1.0)
-        rows.append((size, {v: (statistics.median(wall[v]), statistics.median(cpu[v])) for v in VARIANTS}))
+        rows.append((size, {v: (statistics.median(wall[v]), statistics.median(cpu[v])) for v in variants}))
     if px.rank() == 0:
         for size, found in rows:
-            cells = " | ".join(f"{1e3 * found[v][0]:.2f} ({1e3 * found[v][1]:.2f})" for v in VARIANTS)
+            cells = " | ".join(f"{1e3 * found[v][0]:.2f} ({1e3 * found[v][1]:.2f})" for v in variants)
             print(f"| {px.size()} | {_human(size)} | {cells} | {found['gloo'][0] / found['shm'][0]:.1f}x |", flush=True)
 
 
@@ -80,13 +88,13 @@ def netns_job(reps: int) -> None:
         launchers = [subprocess.Popen(
             ["ip", "netns", "exec", NETNS[node], sys.executable, "-m", "phalanx", "run", "-n", "2", "--nnodes", "2",
              "--node-rank", str(node), "--master-addr", NETNS_ADDR[0], "--master-port", "29561", "--no-prefix",
-             __file__, "--job", "--reps", str(reps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+             __file__, "--job", "--across", "--reps", str(reps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=env) for node in (0, 1)]
         outputs = [launcher.communicate(timeout=1200) for launcher in launchers]
         if any(launcher.returncode for launcher in launchers):
             raise SystemExit("\n".join(err[-2000:] for _, err in outputs))
-        print("| W | size | " + " | ".join(f"{v} ms (CPU ms)" for v in VARIANTS) + " | flat / hierarchical |")
-        print("|---" * (len(VARIANTS) + 3) + "|")
+        print("| W | size | " + " | ".join(f"{v} ms (CPU ms)" for v in ACROSS) + " | flat / hierarchical |")
+        print("|---" * (len(ACROSS) + 3) + "|")
         print(outputs[0][0], end="")
     finally:
         netns_down()
@@ -98,9 +106,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--netns", action="store_true", help="two namespaces of two workers, 1 Gbit/s (root)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--across", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        job(args.reps)
+        job(args.reps, ACROSS if args.across else VARIANTS)
         return
     if args.netns:
         netns_job(args.reps)

@@ -27,12 +27,16 @@ Workers are started by this script (one subprocess per rank, rank 0 hosts the re
 and join with px.init(); DDP uses the default process group px.init() created (at world size 1
 the script creates a one-process Gloo group first, which px.init() adopts). With --netns each of
 the two workers runs in its own network namespace, linked by a veth pair shaped with tbf (1
-Gbit/s unless --rate says otherwise); the namespaces are removed afterwards whatever happens.
+Gbit/s unless --rate says otherwise); with --per-host 2 two workers run in each namespace, so
+phalanx's allreduce is hierarchical (shared memory within a namespace, each local rank's slice
+between them) while DDP's is Gloo's flat ring over all four. The namespaces are removed afterwards
+whatever happens.
 
     python benchmarks/bench_ddp.py                       # world sizes 1 and 2, both models
     python benchmarks/bench_ddp.py --quick               # fewer steps and repetitions
     python benchmarks/bench_ddp.py --sweep --world-sizes 2
     python benchmarks/bench_ddp.py --netns --models mlp  # needs root
+    python benchmarks/bench_ddp.py --netns --per-host 2  # hierarchical against flat, 4 workers
 """
 
 from __future__ import annotations
@@ -292,13 +296,15 @@ def run_world(world: int, models: list[str], variants: list[str], args: argparse
         for rank in range(world):
             env = {key: value for key, value in os.environ.items()
                    if not key.startswith("PHALANX_") and key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-            env.update(PHALANX_RANK=str(rank), PHALANX_WORLD_SIZE=str(world), PHALANX_LOCAL_RANK=str(rank),
-                       PHALANX_LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", PHALANX_TIMEOUT="600")
+            per_host = world // 2 if netns else world
+            node, local = divmod(rank, per_host)
+            env.update(PHALANX_RANK=str(rank), PHALANX_WORLD_SIZE=str(world), PHALANX_LOCAL_RANK=str(local),
+                       PHALANX_LOCAL_WORLD_SIZE=str(per_host), PHALANX_NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", PHALANX_TIMEOUT="600")
             command = [sys.executable, os.path.abspath(__file__), "--worker", config_path]
-            if netns:
-                env.update(MASTER_ADDR=NETNS_ADDR[0], GLOO_SOCKET_IFNAME=VETH[rank])
-                command = ["ip", "netns", "exec", NETNS[rank], *command]
+            if netns:  # a job id per namespace: phalanx counts each as a host of its own (as its launcher would)
+                env.update(MASTER_ADDR=NETNS_ADDR[0], GLOO_SOCKET_IFNAME=VETH[node], PHALANX_JOB_ID=f"bench{node}")
+                command = ["ip", "netns", "exec", NETNS[node], *command]
             procs.append(subprocess.Popen(command, env=env))
         deadline = time.monotonic() + args.timeout
         while any(p.poll() is None for p in procs):
@@ -471,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--netns", action="store_true",
                         help="two workers in separate network namespaces over a rate-limited veth (root)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate of the veth for --netns")
+    parser.add_argument("--per-host", type=int, default=1,
+                        help="workers per namespace with --netns (2: phalanx reduces hierarchically, DDP over flat Gloo)")
     parser.add_argument("--quiet-max", type=float, default=0.10,
                         help="a measurement is 'quiet' when other processes used at most this share of the CPUs")
     parser.add_argument("--first-bucket-mb", type=float,
@@ -492,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# phalanx: default fusion threshold {data_parallel.DEFAULT_FUSION_THRESHOLD_MB:g} MB, "
           f"first bucket {first:g} MB")
     reports = []
-    worlds = [2] if args.netns else args.world_sizes
+    worlds = [2 * args.per_host] if args.netns else args.world_sizes
     if args.netns:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sys.exit(130))

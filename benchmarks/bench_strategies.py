@@ -9,8 +9,10 @@ of the same repetition.
   step    an MLP (784-1024-1024-10, 1.9 M parameters) with Adam, global batch 128: median step
           time on rank 0 over 30 steps after 5, for DataParallel and sync parameter servers at
           (W, S) = (2, 1), (2, 2), (3, 1), (3, 2), and central storage at W = 2, 3
-  memory  the same model at W = 2: resident memory (VmRSS after training) of rank 0 and rank 1,
-          and the optimizer state each holds, DataParallel against central storage
+  memory  a 20 M-parameter MLP at W = 2: resident memory (VmRSS after training) and proportional
+          memory (Pss: shared pages counted once over the processes that map them) of rank 0 and
+          rank 1, and the optimizer state each holds: DataParallel, central storage with a copy
+          of the parameters per worker (cs-copy), and with the parameters once in shared memory (cs)
   async   digits (examples/digits.py's data, an MLP, Adam 1e-3) for 8 epochs with 3 workers and one server,
           one worker sleeping 50 ms per step: samples per second of the job, and validation accuracy
 """
@@ -45,12 +47,17 @@ def mlp(width: int) -> nn.Module:
 def strategy_for(mode: str):
     import phalanx as px
     return {"dp": None, "sync": px.ParameterServer("sync"), "async": px.ParameterServer("async"),
-            "cs": px.CentralStorage()}[mode]
+            "cs": px.CentralStorage(), "cs-copy": px.CentralStorage(shared_memory=False)}[mode]
 
 
 def resident_mb() -> float:
     with open("/proc/self/status") as status:
         return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+def proportional_mb() -> float:
+    with open("/proc/self/smaps_rollup") as rollup:
+        return int(re.search(r"Pss:\s+(\d+)", rollup.read()).group(1)) / 1024
 
 
 def job_step(mode: str, width: str) -> None:
@@ -75,7 +82,7 @@ def job_step(mode: str, width: str) -> None:
     state_mb = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t)) / 2**20
     print(f"RESULT rank={px.rank()} step_ms={1000 * statistics.median(times[5:]):.2f} "
-          f"rss_mb={resident_mb():.1f} state_mb={state_mb:.1f}", flush=True)
+          f"rss_mb={resident_mb():.1f} pss_mb={proportional_mb():.1f} state_mb={state_mb:.1f}", flush=True)
     if strategy is not None:
         strategy.finish()
 
@@ -144,7 +151,7 @@ def parse(stdout: str) -> dict[int, dict[str, float]]:
 
 def drive(parts: list[str], reps: int) -> None:
     variants = [("step", *v, "1024") for v in STEP_VARIANTS] if "step" in parts else []
-    variants += [("step", mode, 2, 0, "4096") for mode in ("dp", "cs")] if "memory" in parts else []
+    variants += [("step", mode, 2, 0, "4096") for mode in ("dp", "cs-copy", "cs")] if "memory" in parts else []
     variants += [("async", mode, 3, 1, slow) for slow in ("3x", "50ms") for mode in ("sync", "async")] \
         if "async" in parts else []
     variants += [("netns", mode, w, s, "1024") for w in (2, 4) for mode, s in (("dp", 0), ("sync", 2))] \
@@ -185,12 +192,14 @@ def report(measured: dict, parts: list[str]) -> None:
                     print(f"| {workers} | {mode} | {servers} | {median_of(runs, 0, 'step_ms'):.1f} | "
                           f"{statistics.median(ratios):.2f}x |")
     if "memory" in parts:
-        print("\n| W=2, 20 M parameters, Adam | step ms | rank 0 RSS MB | rank 1 RSS MB | rank 0 optimizer state MB "
-              "| rank 1 optimizer state MB |\n|---|---|---|---|---|---|")
-        for mode in ("dp", "cs"):
+        print("\n| W=2, 20 M parameters, Adam | step ms | RSS MB rank 0 / 1 | Pss MB rank 0 / 1 | Pss MB of the job "
+              "| optimizer state MB rank 0 / 1 |\n|---|---|---|---|---|---|")
+        for mode in ("dp", "cs-copy", "cs"):
             runs = measured[("step", mode, 2, 0, "4096")]
-            print(f"| {mode} | {median_of(runs, 0, 'step_ms'):.0f} | {median_of(runs, 0, 'rss_mb'):.0f} | "
-                  f"{median_of(runs, 1, 'rss_mb'):.0f} | {median_of(runs, 0, 'state_mb'):.1f} | "
+            job_pss = statistics.median(run[0]["pss_mb"] + run[1]["pss_mb"] for run in runs)
+            print(f"| {mode} | {median_of(runs, 0, 'step_ms'):.0f} | {median_of(runs, 0, 'rss_mb'):.0f} / "
+                  f"{median_of(runs, 1, 'rss_mb'):.0f} | {median_of(runs, 0, 'pss_mb'):.0f} / "
+                  f"{median_of(runs, 1, 'pss_mb'):.0f} | {job_pss:.0f} | {median_of(runs, 0, 'state_mb'):.1f} / "
                   f"{median_of(runs, 1, 'state_mb'):.1f} |")
     if "async" in parts:
         print("\n| digits, W=3, S=1, slow worker 1 | mode | samples/s | wall s | val accuracy |\n|---|---|---|---|---|")
