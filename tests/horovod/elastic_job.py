@@ -60,6 +60,7 @@ def main() -> None:
                 state.step += 1
                 state.processed[state.epoch] = len(sampler.processed_indices)
                 time.sleep(args.step_sleep)
+                state.check_host_updates()
                 state.commit()
                 if hvd.rank() == 0:
                     with open(args.progress + ".tmp", "w") as handle:

@@ -122,6 +122,9 @@ def _process_sets(hvd, evens, r: int, n: int) -> dict:
         out["evens_sum"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=evens)
         out["evens_bcast"] = hvd.broadcast(torch.tensor([r]), root_rank=evens.size() - 1, process_set=evens)
         out["evens_gather"] = hvd.allgather(torch.tensor([r]), process_set=evens)
+        x = torch.ones(2, requires_grad=True)
+        (hvd.allreduce(x, op=hvd.Sum, process_set=evens) * (r + 1)).sum().backward()
+        out["evens_grad"] = x.grad
     else:
         out["outsider"] = _raised(lambda: hvd.allreduce(torch.ones(1), process_set=evens))
     last_two = hvd.add_process_set([n - 2, n - 1])
@@ -150,6 +153,10 @@ def _errors(hvd, r: int, n: int) -> dict:
     out["adasum"] = _raised(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum))
     out["both"] = _raised(lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum))
     out["still_works"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    # While rank 0 has joined, the others' allreduces get its zeros; anything else raises everywhere.
+    joined = hvd.join() if r == 0 else (hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item(), hvd.join())
+    out["join_allreduce"] = joined
+    out["join_other"] = _raised(hvd.join if r == 0 else lambda: hvd.allgather(torch.ones(1)))
     return out
 
 
@@ -235,6 +242,7 @@ def _check_process_sets(out: dict, r: int, n: int) -> None:
         assert out["evens_sum"].item() == sum(evens)
         assert out["evens_bcast"].item() == evens[-1]
         assert out["evens_gather"].tolist() == evens
+        assert out["evens_grad"].tolist() == [float(sum(k + 1 for k in evens))] * 2
     else:
         assert "not part of" in out["outsider"]
     if r >= n - 2:
@@ -254,3 +262,5 @@ def _check_errors(out: dict, r: int, n: int) -> None:
     assert out["reused_after_sync"] == [1.0, 1.0]
     assert "Adasum" in out["adasum"] and "supersedes" in out["both"]
     assert out["still_works"] == n
+    assert out["join_allreduce"] == (n - 1 if r == 0 else (n - 1.0, n - 1))
+    assert out["join_other"].startswith("HorovodMismatchError") and "[0] have joined" in out["join_other"]

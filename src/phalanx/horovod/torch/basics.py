@@ -35,13 +35,15 @@ _layout: dict[str, Any] | None = None  # cross rank/size and homogeneity, agreed
 
 
 def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> None:
-    """Join the job (idempotent) and register ``process_sets``: a list of ``ProcessSet``, or ``"dynamic"``.
+    """Join the job and register ``process_sets``: a list of ``ProcessSet``, or ``"dynamic"``.
 
-    ``comm`` (an MPI communicator or a list of ranks) is refused: phalanx forms its groups through
-    torch.distributed; use process sets to run collectives on a subset of ranks.
+    Calling it again does nothing. ``comm`` (an MPI communicator or a list of ranks) is refused:
+    phalanx forms its groups through torch.distributed; use process sets for subsets of ranks.
     """
     from phalanx.horovod.torch import process_sets as sets
 
+    if is_initialized():
+        return
     if comm is not None:
         raise ConfigurationError(
             "hvd.init(comm=...) is not supported: phalanx forms its groups through torch.distributed, not MPI. "

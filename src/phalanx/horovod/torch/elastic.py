@@ -81,9 +81,9 @@ class TorchState(ObjectState):
 def run(func: Callable[..., T]) -> Callable[..., T | None]:
     """Wrap ``func(state, ...)`` so that it survives lost workers and admits new ones.
 
-    After each reset the process-level answers (size, cross rank) are refreshed, process sets
-    other than the global one are dropped (their groups belonged to the old group), and
-    ``state.on_reset()`` runs before ``func`` is called again.
+    Before every call the process-level answers (size, cross rank) are agreed anew (on every
+    member alike, joiners included); after a reset, process sets other than the global one are
+    dropped (their groups belonged to the old group) and ``state.on_reset()`` runs first.
     """
 
     @functools.wraps(func)
@@ -92,8 +92,8 @@ def run(func: Callable[..., T]) -> Callable[..., T | None]:
 
         def attempt(state: ObjectState, *args: Any, **kwargs: Any) -> T:
             nonlocal calls
+            basics.refresh_layout()
             if calls:
-                basics.refresh_layout()
                 process_sets.forget()
                 state.on_reset()
             calls += 1

@@ -9,7 +9,6 @@ roots raise :class:`HorovodMismatchError` on every rank; a name still in flight 
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -21,8 +20,6 @@ from phalanx.horovod.torch import basics, timeline
 from phalanx.horovod.torch.basics import Average, Sum
 from phalanx.horovod.torch.exceptions import horovod_errors
 from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, scope_of, set_size
-
-logger = logging.getLogger(__name__)
 
 
 class _All:

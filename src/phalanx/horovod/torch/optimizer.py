@@ -10,14 +10,13 @@ is False where Horovod's is True; ``opt.optimizer`` is the wrapped one.
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from phalanx.errors import ConfigurationError
-from phalanx.horovod.torch import basics, timeline
+from phalanx.horovod.torch import basics
 from phalanx.horovod.torch.basics import Average, Sum
 from phalanx.horovod.torch.compression import Compressor, NoneCompressor
 from phalanx.horovod.torch.exceptions import horovod_errors
@@ -25,8 +24,6 @@ from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, s
 from phalanx.horovod.torch.summation import HorovodAverage
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.reducer import GradientReducer
-
-logger = logging.getLogger(__name__)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
