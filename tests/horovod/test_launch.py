@@ -27,6 +27,7 @@ def _config(*argv: str):
 def test_horovodrun_host_lists_give_each_launcher_its_place(tmp_path: Path) -> None:
     here = socket.gethostname()
     assert _config("-np", "3").nproc_per_node == 3
+    assert _config("-np", "4", "--nnodes", "2", "--master-port", "1").nproc_per_node == 2  # -np counts every host
     first = _config("-np", "4", "-H", f"{here}:2,other:2")
     assert (first.nnodes, first.node_rank, first.nproc_per_node, first.master_addr, first.master_port,
             first.hostname) == (2, 0, 2, here, 29500, here)

@@ -159,7 +159,9 @@ def split_run_argv(argv: Sequence[str], value_options: frozenset[str]) -> tuple[
 def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) -> LaunchConfig:
     """The :class:`LaunchConfig` a parsed ``phalanx run`` command line asks for."""
     nnodes, max_nnodes = parse_nnodes(namespace.nnodes)
-    nproc, node_rank = namespace.np or namespace.nproc_per_node, namespace.node_rank
+    nproc, node_rank = namespace.nproc_per_node, namespace.node_rank
+    if namespace.np is not None:
+        nproc = _per_host([("", namespace.np)] * nnodes, namespace.np)
     master_addr, master_port, hostname = namespace.master_addr, namespace.master_port, None
     if namespace.hosts or namespace.hostfile:
         hosts = parse_hosts(namespace.hosts) if namespace.hosts else read_hostfile(namespace.hostfile)
@@ -204,7 +206,7 @@ def _per_host(hosts: list[tuple[str, int]], total: int | None) -> int:
                                      "number of workers on every host; pass -np N to run N / hosts on each.")
         return slots.pop()
     if total % len(hosts) or total // len(hosts) > min(slots):
-        raise ConfigurationError(f"-np {total} cannot be shared equally among {len(hosts)} hosts with "
+        raise ConfigurationError(f"-np {total} cannot be shared equally among {len(hosts)} host(s) with at most "
                                  f"{min(slots)} slot(s) each: phalanx runs the same number of workers on every host.")
     return total // len(hosts)
 
@@ -252,7 +254,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
 
     option("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="worker processes to start (default 1)")
     option("-np", "--num-proc", dest="np", type=int, default=None, metavar="N",
-           help="horovodrun's -np: workers in all (with -H shared equally among the hosts), else like -n")
+           help="horovodrun's -np: workers in all, shared equally among the hosts (-H, or --nnodes)")
     option("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
            help="horovodrun's host list: on each host the launcher takes nnodes from it, its node rank from "
                 "this host's place, -n from the slots (or -np) and the master address from the first host")
