@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +21,6 @@ from phalanx.cli.launcher import Supervisor
 from phalanx.doctor import plot, report, trace
 from phalanx.doctor.diagnosis import Diagnosis, diagnose_records
 from phalanx.errors import ConfigurationError, PhalanxError, WorkerFailedError
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 20
 DEFAULT_WARMUP = 5

@@ -55,11 +55,18 @@ class ScalingModel:
     measured_local: int
     engine: cost.Link | None  # the engine's allreduce within a host at ``measured_local`` ranks
     ring: cost.Link | None  # Gloo's ring between processes
-    comm_factor: float = 1.0  # how much longer the allreduce takes beside training than alone
+    comm_factor: float = 1.0  # a core each: how much longer the allreduce takes beside backward than alone
+    crowded_factor: float = 1.0  # the same with more workers than cores, where it cannot hide behind backward
 
     def slowdown(self, local: int) -> float:
         """``u(L)``: how much slower each of ``local`` workers runs for sharing the host's cores."""
         return max(1.0, local * self.threads / self.cores)
+
+    def crowding(self, local: int) -> float:
+        """How much longer a shared-memory allreduce takes at ``local`` ranks than with a core each:
+        ``u(L)²``, as every rank copies its tensor in and out (work growing with the ranks) and gets
+        ``1/u`` of a core to do it."""
+        return self.slowdown(local) ** 2
 
     def with_buckets(self, buckets: tuple[tuple[float, int], ...]) -> "ScalingModel":
         return replace(self, buckets=buckets)
@@ -72,23 +79,29 @@ def fit(run: Measured, reference: Measured | None = None) -> ScalingModel:
                          run.workers_per_host, *_links(run))
     u = model.slowdown(run.workers_per_host)
     work, local = (run.data_wait_s + run.compute_s) / u, run.global_batch / run.world_size
-    per_sample, fixed = work / local, 0.0
+    fixed = 0.0  # without a reference: the work taken as proportional to the local batch
     if reference is not None and reference.global_batch > local:
         ref_work = (reference.data_wait_s + reference.compute_s) / model.slowdown(reference.workers_per_host)
-        per_sample = max((ref_work - work) / (reference.global_batch - local), 0.0)
-        fixed = max(work - per_sample * local, 0.0)
-        per_sample = (work - fixed) / local
+        slope = max((ref_work - work) / (reference.global_batch - local), 0.0)
+        fixed = max(work - slope * local, 0.0)
+    per_sample = (work - fixed) / local
     backward = run.backward_s if run.backward_s is not None else 0.0
     ready = tuple((min(b.ready_s / backward, 1.0) if backward > 0 else 1.0, b.bytes) for b in run.buckets)
     model = replace(model, work_fixed_s=fixed, work_per_sample_s=per_sample,
                     step_fixed_s=(run.optimizer_s + run.other_s) / u,
                     backward_share=backward / (run.data_wait_s + run.compute_s) if run.compute_s else 0.0,
                     buckets=ready)
-    return replace(model, comm_factor=_comm_factor(model, run)) if model.ring is not None else model
+    if model.ring is None:
+        return model
+    crowded = 1.0
+    if model.slowdown(run.workers_per_host) > 1:
+        alone = sum(bucket_time(model, Layout(run.world_size, run.workers_per_host), n) for _, n in model.buckets)
+        crowded = run.exposed_comm_s / alone if alone > 0 else 1.0
+    return replace(model, comm_factor=_comm_factor(model, run), crowded_factor=crowded)
 
 
 def _comm_factor(model: ScalingModel, run: Measured) -> float:
-    """The factor on the buckets' alone times that makes the replay expose what the run exposed.
+    """The factor on the buckets' times within the host that makes the replay expose what the run did.
 
     Beside backward the allreduce competes for the cores and waits for the slowest rank, so it
     takes longer than alone; the factor carries that over to the predictions (bisection, 0.1-1000).
@@ -96,11 +109,11 @@ def _comm_factor(model: ScalingModel, run: Measured) -> float:
     layout = Layout(run.world_size, run.workers_per_host)
     backward = model.backward_share * (run.data_wait_s + run.compute_s)
     ready = [r for r, _ in model.buckets]
-    times = [bucket_time(model, layout, nbytes) for _, nbytes in model.buckets]
     low, high = 0.1, 1000.0
     for _ in range(40):
         middle = (low * high) ** 0.5
-        if _exposed(backward, ready, [middle * t for t in times]) < run.exposed_comm_s:
+        times = [bucket_time(model, layout, nbytes, middle) for _, nbytes in model.buckets]
+        if _exposed(backward, ready, times) < run.exposed_comm_s:
             low = middle
         else:
             high = middle
@@ -149,24 +162,28 @@ def predict(model: ScalingModel, layout: Layout, global_batch: float | None = No
     batch = model.global_batch if global_batch is None else global_batch
     u = model.slowdown(layout.local)
     work = u * (model.work_fixed_s + model.work_per_sample_s * batch / layout.world_size)
-    times = [bucket_time(model, layout, nbytes) for _, nbytes in model.buckets] if layout.world_size > 1 else []
-    exposed = _exposed(model.backward_share * work, [r for r, _ in model.buckets], times)
+    factor = model.crowded_factor if u > 1 else model.comm_factor
+    times = [bucket_time(model, layout, n, factor) for _, n in model.buckets] if layout.world_size > 1 else []
+    if u > 1:  # no core is idle: the allreduce cannot hide behind backward
+        exposed = sum(times)
+    else:
+        exposed = _exposed(model.backward_share * work, [r for r, _ in model.buckets], times)
     step = work + u * model.step_fixed_s + exposed
     return Prediction(layout, batch, step, work, sum(times), exposed, batch / step)
 
 
-def bucket_time(model: ScalingModel, layout: Layout, nbytes: int) -> float:
-    """One bucket's allreduce: within the host, then (several hosts) across them."""
+def bucket_time(model: ScalingModel, layout: Layout, nbytes: int, factor: float = 1.0) -> float:
+    """One bucket's allreduce: within the host (alone, times ``factor``), then across hosts."""
     if model.ring is None:
         raise ValueError("no transport figures: predictions beyond one worker need a run on two or more")
     within = 0.0
     if layout.local > 1:
         if model.transport == "shm" and model.engine is not None and model.measured_local > 1:
-            scale = model.slowdown(layout.local) / model.slowdown(model.measured_local)
+            scale = model.crowding(layout.local) / model.crowding(model.measured_local)
             within = scale * (model.engine.alpha_s + nbytes * model.engine.beta_s_per_byte)
         else:
             within = cost.predict("ring", nbytes, layout.local, model.ring)
-        within *= model.comm_factor
+        within *= factor
     if layout.hosts == 1:
         return within
     beta = model.ring.beta_s_per_byte if layout.bandwidth_gbit is None else 8e-9 / layout.bandwidth_gbit

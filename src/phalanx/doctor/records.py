@@ -33,7 +33,6 @@ class Step:
     samples: int
     #: Per bucket: seconds from the start of backward to its launch, bytes, seconds waited for it.
     buckets: tuple[tuple[float, int, float], ...]
-    backward_begin: float | None
 
     @property
     def other_s(self) -> float:
@@ -99,7 +98,7 @@ def _step(previous: Event, events: list[Event]) -> Step | None:
                 exposed_s=exposed, optimizer_s=end_t - optimizer_t,
                 cpu_s=events[-1][2]["cpu"] - previous[2]["cpu"],
                 samples=int(sum(f["samples"] for name, _, f in events if name == "forward")),
-                buckets=buckets, backward_begin=backward_t)
+                buckets=buckets)
 
 
 def mean(values: list[float]) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import runpy
 import sys
@@ -27,8 +26,6 @@ from phalanx.comm import runtime
 from phalanx.doctor.calibrate import measure_transport
 from phalanx.doctor.probe import Probe
 from phalanx.parallel.reductions import Reduction
-
-logger = logging.getLogger(__name__)
 
 
 class Session:
