@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +23,8 @@ from phalanx.doctor import plot, report, trace
 from phalanx.doctor.diagnosis import Diagnosis, diagnose_records
 from phalanx.errors import ConfigurationError, PhalanxError, WorkerFailedError
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_STEPS = 20
 DEFAULT_WARMUP = 5
 DEFAULT_TIMEOUT_S = 300.0
@@ -30,9 +33,11 @@ DEFAULT_TIMEOUT_S = 300.0
 def collect(script: str, args: Sequence[str], workers: int, steps: int, warmup: int,
             timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Every rank's records of ``script`` run on ``workers`` local workers for ``warmup + steps`` steps."""
+    logger.info("doctor: %s on %d worker(s), %d warm-up and %d measured steps", script, workers, warmup, steps)
     with tempfile.TemporaryDirectory(prefix="phalanx-doctor-") as folder:
         config = LaunchConfig(target="phalanx.doctor.session", is_module=True, nproc_per_node=workers,
-                              args=("--out", folder, "--steps", str(steps), "--warmup", str(warmup), script, *args),
+                              args=("--out", folder, "--steps", str(steps), "--warmup", str(warmup),
+                                    "--deadline", f"{timeout_s:g}", script, *args),
                               timeout_s=timeout_s)
         output = io.StringIO()
         result = Supervisor(config, output, output).run()

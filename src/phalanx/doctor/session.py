@@ -1,10 +1,11 @@
 """What each worker of ``phalanx doctor`` runs: the user's script under instrumentation.
 
-``python -m phalanx.doctor.session --out DIR --steps K --warmup W script.py [args]`` switches the
-recorder on, counts optimizer steps (torch's global optimizer hooks), and after ``W + K`` steps
-measures the transport (every rank is at the same step boundary), writes ``DIR/rank-R.json`` and
-ends the process: the doctor needs a few steps, not the whole training. Every other measured step
-also records gradient norms for the noise scale (see :mod:`phalanx.doctor.probe`).
+``python -m phalanx.doctor.session --out DIR --steps K --warmup W --deadline S script.py [args]``
+switches the recorder on, counts optimizer steps (torch's global optimizer hooks), and after
+``W + K`` steps measures the transport (every rank is at the same step boundary), writes
+``DIR/rank-R.json`` and ends the process: the doctor needs a few steps, not the whole training.
+Every other measured step also records gradient norms for the noise scale (see
+:mod:`phalanx.doctor.probe`). A script that has not made its steps after ``S`` seconds is stopped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import runpy
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,8 @@ from phalanx.parallel.reductions import Reduction
 class Session:
     """The instrumentation of one worker: recorder, probes, step counting, the records file."""
 
-    def __init__(self, out: Path, steps: int, warmup: int):
-        self.out, self.steps, self.warmup = out, steps, warmup
+    def __init__(self, out: Path, steps: int, warmup: int, deadline_s: float):
+        self.out, self.steps, self.warmup, self.deadline_s = out, steps, warmup, deadline_s
         self.recorder = profile.Recorder(self._probe)
         self.probes: list[Probe] = []
         self.optimizer: int | None = None  # the first optimizer stepped: its steps are the training steps
@@ -43,6 +45,16 @@ class Session:
         profile.recorder = self.recorder
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
+        watchdog = threading.Timer(self.deadline_s, self._give_up)
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _give_up(self) -> None:
+        """The deadline passed before the measured steps: say so, keep what was seen, end the process."""
+        print(f"phalanx doctor: {self.count} of {self.warmup + self.steps} optimizer steps after {self.deadline_s:g} s; "
+              "stopping the script. Pass a larger --timeout or a smaller --steps.", file=sys.stderr, flush=True)
+        self.finish(complete=False)
+        os._exit(124)
 
     def _probe(self, reduction: Reduction) -> Probe:
         probe = Probe(reduction, self.recorder)
@@ -68,7 +80,7 @@ class Session:
     def finish(self, complete: bool) -> None:
         """Write this rank's records; once every step was seen, measure the transport and end the process."""
         record = {"rank": runtime.rank() if runtime.is_initialized() else 0, "warmup": self.warmup,
-                  "host": _host_facts(), "events": self.recorder.events, "complete": complete}
+                  "host": _host_facts(), "events": list(self.recorder.events), "complete": complete}
         if runtime.is_initialized():
             record.update(world_size=runtime.size(), local_size=runtime.local_size(), node=runtime.node_rank(),
                           transport="shm" if runtime.shm_executor() is not None else "gloo")
@@ -102,10 +114,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--deadline", type=float, required=True)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
-    session = Session(options.out, options.steps, options.warmup)
+    session = Session(options.out, options.steps, options.warmup, options.deadline)
     session.start()
     sys.argv = [options.script, *options.args]
     sys.path[0] = os.path.dirname(os.path.abspath(options.script))
