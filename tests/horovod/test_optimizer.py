@@ -37,6 +37,8 @@ def _train(hvd, steps_of: list[int], combine: str = "avg", passes: int = 1, **op
         F.mse_loss(model(_batch(99, 0)[0]), _batch(99, 0)[1]).backward()
         optimizer.step()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if options.get("groups") == "lists":  # the two weights travel together, the biases alone
+        options["groups"] = [[model[0].weight, model[2].weight]]
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          backward_passes_per_step=passes,
                                          op=hvd.Sum if combine == "sum" else hvd.Average, **options)
@@ -50,7 +52,8 @@ def _train(hvd, steps_of: list[int], combine: str = "avg", passes: int = 1, **op
     last = hvd.join()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     hvd.broadcast_parameters(model.state_dict(), root_rank=last)
-    return {"weights": weights, "last": last, "after": model.state_dict()}
+    return {"weights": weights, "last": last, "after": model.state_dict(),
+            "buckets": len(optimizer._reducer.bucket_sizes)}
 
 
 def _reference(n: int, steps_of: list[int], combine: str = "avg", passes: int = 1) -> dict[str, torch.Tensor]:
@@ -78,6 +81,7 @@ def _checks() -> dict:
     out = {"average": _train(hvd, even), "sum": _train(hvd, even, "sum"), "passes": _train(hvd, even, passes=2),
            "predivide": _train(hvd, even, gradient_predivide_factor=2.0),
            "fp16": _train(hvd, even, compression=hvd.Compression.fp16), "groups": _train(hvd, even, groups=2),
+           "group_lists": _train(hvd, even, groups="lists"),
            "uneven": _train(hvd, [STEPS + 2 - k for k in range(n)])}
     out["sparse"] = _sparse(hvd)
     out["batchnorm"] = _batchnorm(hvd, r)
@@ -151,7 +155,8 @@ def test_distributed_optimizer_trains_like_one_process(world_size: int) -> None:
     uneven = [STEPS + 2 - k for k in range(n)]
     references = {"average": _reference(n, even), "sum": _reference(n, even, "sum"),
                   "passes": _reference(n, even, passes=2), "predivide": _reference(n, even),
-                  "fp16": _reference(n, even), "groups": _reference(n, even), "uneven": _reference(n, uneven)}
+                  "fp16": _reference(n, even), "groups": _reference(n, even), "group_lists": _reference(n, even),
+                  "uneven": _reference(n, uneven)}
     for r, out in enumerate(results):
         for case, reference in references.items():
             tolerance = dict(rtol=2e-3, atol=2e-3) if case == "fp16" else dict(rtol=1e-5, atol=1e-6)
@@ -160,6 +165,7 @@ def test_distributed_optimizer_trains_like_one_process(world_size: int) -> None:
                 torch.testing.assert_close(after[key], value, **tolerance, msg=f"rank {r} {case} {key}")
                 assert torch.equal(after[key], results[0][case]["after"][key])
             assert out[case]["last"] == 0 if case == "uneven" else out[case]["last"] in range(n)  # rank 0 trains longest
+        assert (out["average"]["buckets"], out["groups"]["buckets"], out["group_lists"]["buckets"]) == (1, 2, 3)
         for key, value in references["uneven"].items():
             if r > 0:  # a rank that joined early stopped updating; join's answer brings it level
                 assert not torch.allclose(out["uneven"]["weights"][key], value)
