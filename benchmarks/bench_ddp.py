@@ -462,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         worker_main(argv[1])
-        return 0
+        # DDP's reducer keeps a reference to the Gloo group past px.shutdown(); tearing that down
+        # with the interpreter aborts now and then (1 worker of 4 in one run): leave as phalanx's
+        # own worker_main does, without interpreter teardown, the report being written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--models", nargs="+", default=list(MODEL_SPECS), choices=list(MODEL_SPECS))
