@@ -55,3 +55,10 @@ def test_a_script_shorter_than_the_measured_steps_is_refused_with_what_to_do(tmp
     """))
     with pytest.raises(px.ConfigurationError, match="ended before 2 warm-up and 10 measured steps"):
         px.diagnose(str(script), workers=2, steps=10, warmup=2, timeout_s=60)
+
+
+def test_a_script_that_makes_no_steps_is_stopped_at_the_deadline(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\nimport phalanx as px\npx.init()\ntime.sleep(120)\n")
+    with pytest.raises(px.WorkerFailedError, match="0 of 25 optimizer steps after 3 s; stopping the script"):
+        px.diagnose(str(script), workers=2, steps=20, warmup=5, timeout_s=3)
