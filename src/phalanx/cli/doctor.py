@@ -118,7 +118,8 @@ def parse_bandwidths(values: Sequence[str]) -> list[float]:
     try:
         found = [float(part) for value in values for part in value.split(",") if part]
     except ValueError:
-        raise ConfigurationError(f"--bandwidth takes Gbit/s as numbers, got {values}; for example --bandwidth 1,10.") from None
+        raise ConfigurationError(
+            f"--bandwidth takes Gbit/s as numbers, got {values}; for example --bandwidth 1,10.") from None
     if any(b <= 0 for b in found):
         raise ConfigurationError(f"--bandwidth must be positive Gbit/s, got {found}.")
     return found

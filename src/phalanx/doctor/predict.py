@@ -78,13 +78,7 @@ def fit(run: Measured, reference: Measured | None = None) -> ScalingModel:
     model = ScalingModel(run.global_batch, 0.0, 0.0, 0.0, 0.0, (), run.cores, run.threads, run.transport,
                          run.workers_per_host, *_links(run))
     u = model.slowdown(run.workers_per_host)
-    work, local = (run.data_wait_s + run.compute_s) / u, run.global_batch / run.world_size
-    fixed = 0.0  # without a reference: the work taken as proportional to the local batch
-    if reference is not None and reference.global_batch > local:
-        ref_work = (reference.data_wait_s + reference.compute_s) / model.slowdown(reference.workers_per_host)
-        slope = max((ref_work - work) / (reference.global_batch - local), 0.0)
-        fixed = max(work - slope * local, 0.0)
-    per_sample = (work - fixed) / local
+    fixed, per_sample = _work(model, run, reference)
     backward = run.backward_s if run.backward_s is not None else 0.0
     ready = tuple((min(b.ready_s / backward, 1.0) if backward > 0 else 1.0, b.bytes) for b in run.buckets)
     model = replace(model, work_fixed_s=fixed, work_per_sample_s=per_sample,
@@ -93,11 +87,28 @@ def fit(run: Measured, reference: Measured | None = None) -> ScalingModel:
                     buckets=ready)
     if model.ring is None:
         return model
-    crowded = 1.0
-    if model.slowdown(run.workers_per_host) > 1:
-        alone = sum(bucket_time(model, Layout(run.world_size, run.workers_per_host), n) for _, n in model.buckets)
-        crowded = run.exposed_comm_s / alone if alone > 0 else 1.0
-    return replace(model, comm_factor=_comm_factor(model, run), crowded_factor=crowded)
+    return replace(model, comm_factor=_comm_factor(model, run), crowded_factor=_crowded_factor(model, run))
+
+
+def _work(model: ScalingModel, run: Measured, reference: Measured | None) -> tuple[float, float]:
+    """``(c0, cs)``: a line through the uncontended work at the run's and the reference's local batch
+    (without a reference, the work is taken as proportional to the local batch)."""
+    work = (run.data_wait_s + run.compute_s) / model.slowdown(run.workers_per_host)
+    local = run.global_batch / run.world_size
+    fixed = 0.0
+    if reference is not None and reference.global_batch > local:
+        ref_work = (reference.data_wait_s + reference.compute_s) / model.slowdown(reference.workers_per_host)
+        slope = max((ref_work - work) / (reference.global_batch - local), 0.0)
+        fixed = max(work - slope * local, 0.0)
+    return fixed, (work - fixed) / local
+
+
+def _crowded_factor(model: ScalingModel, run: Measured) -> float:
+    """For a run with more workers than cores: its exposed time over its buckets' time alone (else 1)."""
+    if model.slowdown(run.workers_per_host) <= 1:
+        return 1.0
+    alone = sum(bucket_time(model, Layout(run.world_size, run.workers_per_host), n) for _, n in model.buckets)
+    return run.exposed_comm_s / alone if alone > 0 else 1.0
 
 
 def _comm_factor(model: ScalingModel, run: Measured) -> float:
@@ -152,7 +163,8 @@ class Prediction:
 
     def as_dict(self) -> dict[str, object]:
         return {"world_size": self.layout.world_size, "workers_per_host": self.layout.workers_per_host,
-                "bandwidth_gbit": self.layout.bandwidth_gbit, "global_batch": self.global_batch, "step_s": self.step_s, "compute_s": self.compute_s,
+                "bandwidth_gbit": self.layout.bandwidth_gbit, "global_batch": self.global_batch,
+                "step_s": self.step_s, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_s, "throughput": self.throughput,
                 "efficiency": self.efficiency}
 
