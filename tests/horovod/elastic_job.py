@@ -3,7 +3,9 @@
 It trains an MLP with ``hvd.elastic.TorchState``, ``hvd.elastic.ElasticSampler``,
 ``hvd.DistributedOptimizer`` and ``@hvd.elastic.run``, committing after every step. It writes its
 pid to ``--pids`` and rank 0's committed step to ``--progress``; at the end rank 0 saves the
-weights, the size, what the reset callbacks saw and how many samples each epoch processed.
+weights, the size, what the reset callbacks saw and how many samples each epoch processed. With
+``--hold-at`` the job waits after that step for ``--hold-file``, which a worker started later
+creates just before it asks to join.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def main() -> None:
     for option in ("--out", "--pids", "--progress"):
         parser.add_argument(option, required=True)
     parser.add_argument("--step-sleep", type=float, default=0.03)
+    parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument("--hold-file", default=None)
     args = parser.parse_args()
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
         handle.write(str(os.getpid()))
@@ -62,6 +66,11 @@ def main() -> None:
                 time.sleep(args.step_sleep)
                 state.check_host_updates()
                 state.commit()
+                if state.step == args.hold_at:  # wait for the joiner, so that it joins before the end
+                    deadline = time.monotonic() + 60
+                    while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    time.sleep(1.0)  # its request reaches the coordinator meanwhile
                 if hvd.rank() == 0:
                     with open(args.progress + ".tmp", "w") as handle:
                         handle.write(str(state.step))
@@ -69,8 +78,12 @@ def main() -> None:
             state.batch = 0
         return state.step
 
+    from phalanx import elastic
+
+    if args.hold_file and elastic.membership() is None:  # started after the job did: about to ask to join
+        open(args.hold_file, "w").close()
     steps = train(state)
-    sums = hvd.allgather_object(float(sum(p.double().sum() for p in model.parameters())))
+    sums = hvd.allgather_object(float(sum(p.detach().double().sum() for p in model.parameters())))
     if hvd.rank() == 0:
         loss = F.mse_loss(model(x), dataset.tensors[1]).item()
         torch.save({"size": hvd.size(), "steps": steps, "resets": resets, "sums": sums, "loss": loss,

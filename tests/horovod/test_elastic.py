@@ -1,5 +1,6 @@
-"""``hvd.elastic`` end to end: a Horovod elastic script under ``phalanx run -np 3 --min-workers 2``
-loses a worker to SIGKILL and finishes on the other two, every sample of each epoch processed."""
+"""``hvd.elastic`` end to end: a Horovod elastic script under ``phalanx run`` loses a worker to
+SIGKILL and finishes on the other two, and admits a worker started later; every sample of each
+epoch is processed once and the workers end with the same weights."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.launch import launched
+from tests.elastic.launch import free_port, launched
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="elastic jobs are tested on Linux"),
               pytest.mark.timeout(150)]
@@ -29,3 +30,17 @@ def test_a_killed_worker_leaves_the_others_training(tmp_path: Path) -> None:
     assert max(result["sums"]) == min(result["sums"])  # the survivors hold the same weights
     assert result["loss"] < 0.5, result
     assert "the elastic job completed" in job.stderr
+
+
+def test_a_worker_started_later_joins_and_receives_the_state(tmp_path: Path) -> None:
+    common = ["--nnodes", "1:2", "--master-port", str(free_port()), "--timeout", "30"]
+    hold = ["--hold-at", "10", "--hold-file", str(tmp_path / "joining"), "--step-sleep", "0.01"]
+    with launched(tmp_path, ["-np", "2", *common], hold, job=JOB) as job:
+        job.wait_for_step(1)
+        with launched(tmp_path, ["-np", "1", "--node-rank", "1", *common], hold, name="node1", job=JOB) as joiner:
+            assert job.wait(90) == 0, job.output()
+            assert joiner.wait(90) == 0, joiner.output()
+    result = job.result()
+    assert result["size"] == 3 and result["resets"] == [3], job.output()
+    assert result["processed"] == [240, 240]
+    assert len(result["sums"]) == 3 and max(result["sums"]) == min(result["sums"])
