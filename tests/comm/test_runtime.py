@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import phalanx as px
@@ -59,3 +60,22 @@ def test_rendezvous_with_an_absent_store_fails_clearly_within_the_timeout() -> N
            "PHALANX_STORE_HOSTED": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert "rendezvous on rank 1 failed" in done.stdout, done.stdout + done.stderr
+
+
+def _init_again_and_again() -> list[float]:
+    """Leave the job and join it again twice (the Horovod pattern hvd.shutdown(); hvd.init())."""
+    sums = []
+    for _ in range(2):
+        px.shutdown()
+        px.init()
+        sums.append(float(px.allreduce(torch.ones(3))[0]))
+        sums.append(float(px.allreduce(torch.ones(2), algorithm="tree")[0]))
+    net = torch.nn.Linear(4, 2)
+    for _ in range(2):  # two segments of central storage in turn, the second under the first's names
+        sums.append(float(px.CentralStorage().setup(net, torch.optim.SGD(net.parameters(), lr=0.1))[1].shared))
+    return sums
+
+
+def test_init_after_shutdown_joins_a_fresh_group() -> None:
+    """The store still holds the first group's addresses and segment names: a new init must not use them."""
+    assert run_workers(_init_again_and_again, 3) == [[3.0, 3.0, 3.0, 3.0, 1.0, 1.0]] * 3

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
-import itertools
 import logging
 import os
 import secrets
@@ -67,6 +66,9 @@ class _Runtime:
 
 
 _runtime: _Runtime | None = None
+#: How many groups this process has left with shutdown(): a later init keys its rendezvous apart,
+#: since the store still holds the earlier group's addresses (every rank shuts down alike).
+_incarnation = 0
 
 
 def init(backend: str | None = None, timeout: float | None = None, transport: str = "auto") -> None:
@@ -117,7 +119,7 @@ def _shutdown(done: bool) -> None:
     A worker that failed may leave collectives pending that its peers will never join: its
     connections are shut down first, so that tearing the group down does not wait for them.
     """
-    global _runtime, _elastic
+    global _runtime, _elastic, _incarnation
     if _elastic is not None:
         if done:
             _elastic.leave()
@@ -129,6 +131,7 @@ def _shutdown(done: bool) -> None:
         _close_executors(_runtime)
     if _runtime is not None and _runtime.store is not None and dist.is_initialized():
         dist.destroy_process_group()
+        _incarnation += 1
     _runtime = None
 
 
@@ -263,8 +266,7 @@ def host_arena(tag: str, nbytes: int) -> torch.Tensor:
                                  "px.init(transport='auto' or 'shm').")
     executor = runtime.shm
     assert executor is not None
-    tag = f"{tag}{next(_arena_numbers)}"  # the same on every rank: arenas are made collectively
-    name, key = f"{executor.group.name}-{tag}", f"phalanx/g{runtime.generation}/arena/{tag}"
+    name, key = f"{executor.group.name}-{tag}", f"{_prefix(runtime.generation)}arena/{tag}"
     if executor.group.rank == 0:
         mapping = shm.map_segment(name, nbytes, create=True)
         runtime.store.set(key, name)
@@ -272,12 +274,10 @@ def host_arena(tag: str, nbytes: int) -> torch.Tensor:
         runtime.store.wait([key], datetime.timedelta(seconds=runtime.timeout_s))
         mapping = shm.map_segment(name, nbytes, create=False)
     executor.run(executor.group.barrier)
-    if executor.group.rank == 0:
+    if executor.group.rank == 0:  # both names can serve the next arena
         shm.unlink_segment(name)
+        runtime.store.delete_key(key)
     return torch.frombuffer(mapping, dtype=torch.uint8)
-
-
-_arena_numbers = itertools.count()
 
 
 def shares_one_host() -> bool:
@@ -378,7 +378,7 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
     try:
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"phalanx/g{generation}/", store),
+            store=dist.PrefixStore(_prefix(generation), store),
             rank=info.rank,
             world_size=info.world_size,
             timeout=timeout_delta,
@@ -423,7 +423,7 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
     index = local.index(info.rank)
     cross = _cross_host_groups(hosts, index, timeout_s) if len(hosts) > 1 else None
     name = shm.segment_name(_job_id(store), generation)
-    key = f"phalanx/g{generation}/shm/{host}"
+    key = f"{_prefix(generation)}shm/{host}"
     if index == 0:
         group = shm.SharedMemoryGroup(name, 0, len(local), timeout_s, create=True, cross=cross)
         store.set(key, name)
@@ -431,9 +431,15 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
         store.wait([key], datetime.timedelta(seconds=timeout_s))
         group = shm.SharedMemoryGroup(name, index, len(local), timeout_s, create=False, cross=cross)
     dist.barrier()
-    if index == 0:
-        group.unlink()  # every rank has it mapped: nothing is left in /dev/shm, whatever happens next
+    if index == 0:  # every rank has it mapped: nothing is left in /dev/shm or the store, whatever happens next
+        group.unlink()
+        store.delete_key(key)  # a later init in this job (after shutdown) waits for its own segment
     return OrderedExecutor(group, "shm")
+
+
+def _prefix(generation: int) -> str:
+    """The store keys of this generation's group (and of this process's incarnation after a shutdown)."""
+    return f"phalanx/g{generation}/" if _incarnation == 0 else f"phalanx/g{generation}.{_incarnation}/"
 
 
 def _cross_host_groups(hosts: dict[str, list[int]], mine: int, timeout_s: float) -> dist.ProcessGroup:
@@ -454,7 +460,7 @@ def _host_key() -> str:
 
 def _hosts(info: LaunchInfo, store: Any, generation: int) -> dict[str, list[int]]:
     """The ranks of each host in this generation, exchanged through the store."""
-    prefix = f"phalanx/g{generation}/host/"
+    prefix = f"{_prefix(generation)}host/"
     store.set(f"{prefix}{info.rank}", _host_key())
     keys = [f"{prefix}{rank}" for rank in range(info.world_size)]
     store.wait(keys)
