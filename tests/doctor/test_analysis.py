@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -81,3 +82,22 @@ def test_the_trace_puts_every_rank_on_its_own_track_with_waits_inside_backward()
         assert all(any(b["ts"] <= w["ts"] and w["ts"] + w["dur"] <= b["ts"] + b["dur"] + 1e-6 for b in backward)
                    for w in waits)
     assert {e["tid"] for e in slices if e["name"].startswith("allreduce")} == {1, 2}
+
+
+def test_the_transport_not_in_use_is_weighed_by_its_own_figures() -> None:
+    sockets = [fake.record(rank) for rank in range(2)]
+    for record in sockets:  # a run with Gloo's ring at 0.5 GB/s on one host that copies at 10 GB/s
+        record["transport"] = "gloo"
+        record["transport_figures"].update(ring_beta_s_per_byte=2e-9, copy_s_per_byte=1e-10)
+    diagnosis = diagnose_records(sockets, None, [])
+    shared = [r for r in diagnosis.recommendations if r.kind == "transport"]
+    assert len(shared) == 1 and "transport='auto'" in shared[0].action and shared[0].gain > advice.MIN_GAIN
+    link = predict.shared_memory_link(1e-10, 2)
+    assert link.beta_s_per_byte == pytest.approx(1e-10 * 2.75)  # in, out, and half a copy to reduce
+    model = replace(diagnosis.model, transport="shm", engine=link, measured_local=2)
+    assert shared[0].step_s == pytest.approx(predict.predict(model, predict.Layout(2, 2)).step_s)
+    through_memory = diagnose_records([fake.record(rank) for rank in range(2)], None, [])
+    back = [r for r in through_memory.recommendations if r.kind == "transport"]  # here Gloo's figures are better
+    assert back and "transport='gloo'" in back[0].action
+    assert back[0].step_s == pytest.approx(
+        predict.predict(replace(through_memory.model, transport="gloo"), predict.Layout(2, 2)).step_s)

@@ -7,11 +7,12 @@ for the same samples: the global batch stays unless the recommendation is about 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from phalanx.doctor.measured import Measured
 from phalanx.doctor.noise import NoiseScale
-from phalanx.doctor.predict import Layout, ScalingModel, predict
+from phalanx.comm import shm
+from phalanx.doctor.predict import Layout, ScalingModel, predict, shared_memory_link
 
 MIN_GAIN = 1.03  # below this a change is within the model's error
 SHARE_WORTH_NAMING = 0.2  # a phase taking this share of the step is named as a cause
@@ -21,7 +22,7 @@ SHARE_WORTH_NAMING = 0.2  # a phase taking this share of the step is named as a 
 class Recommendation:
     """One change, what it predicts, and by how much it would shorten training."""
 
-    kind: str  # workers, fusion, compression, accumulation, batch_size
+    kind: str  # workers, fusion, compression, transport, accumulation, batch_size
     action: str
     step_s: float  # predicted seconds per step of the measured global batch (per that many samples)
     gain: float  # predicted time to train now over time with the change
@@ -58,7 +59,8 @@ def recommend(run: Measured, model: ScalingModel | None, scale: NoiseScale | Non
     if model is None:
         return []
     now = predict(model, Layout(run.world_size, run.workers_per_host)).step_s
-    found = [*_fewer_workers(run, model, now), *_fusion(run, model, now), *_compression(run, model, now)]
+    found = [*_fewer_workers(run, model, now), *_fusion(run, model, now), *_compression(run, model, now),
+             *_transport(run, model, now)]
     if scale is not None:  # a larger batch helps only as far as the noise scale says
         found += [*_accumulation(run, model, now, scale), *_batch_size(run, model, now, scale)]
     return sorted((r for r in found if r.gain >= MIN_GAIN), key=lambda r: r.gain, reverse=True)
@@ -89,6 +91,25 @@ def _compression(run: Measured, model: ScalingModel, now: float) -> list[Recomme
     step = predict(half, Layout(run.world_size, run.workers_per_host)).step_s
     return [Recommendation("compression", "px.DataParallel(model, reduction='bf16'): half the bytes", step, now / step,
                            "about three significant digits per gradient; check the accuracy")]
+
+
+def _transport(run: Measured, model: ScalingModel, now: float) -> list[Recommendation]:
+    """On one host: Gloo's sockets against shared memory, whichever the run did not use."""
+    if not 1 < run.world_size <= run.workers_per_host:
+        return []
+    if model.transport == "shm":
+        other = replace(model, transport="gloo")
+        action = "px.init(transport='gloo'): Gloo's sockets instead of shared memory"
+    else:
+        copy = (run.transport_figures or {}).get("copy_s_per_byte")
+        if not copy or not shm.available():
+            return []
+        other = replace(model, transport="shm", engine=shared_memory_link(copy, run.workers_per_host),
+                        measured_local=run.workers_per_host)
+        action = "px.init(transport='auto'): reduce through shared memory within the host"
+    step = predict(other, Layout(run.world_size, run.workers_per_host)).step_s
+    return [Recommendation("transport", action, step, now / step,
+                           "the overlap measured with the transport in use is assumed for the other")]
 
 
 def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseScale) -> list[Recommendation]:

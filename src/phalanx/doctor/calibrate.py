@@ -8,7 +8,9 @@ contention from other processes only lengthens):
   formula ``2(p-1) alpha + 2 (p-1)/p n beta`` as Gloo actually runs it (point-to-point round trips
   overstate Gloo's allreduce latency several times, see docs/transport.md);
 * the allreduce the engine uses (shared memory within a host where that is the transport) at the
-  small and large size and at every bucket's size, alone, without backward beside it.
+  small and large size and at every bucket's size, alone, without backward beside it;
+* how long this process takes to copy a byte in memory, from which the shared-memory allreduce
+  is predicted where the run used Gloo (:func:`phalanx.doctor.predict.shared_memory_link`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ def measure_transport(bucket_bytes: list[int]) -> dict[str, object]:
     ring_beta = max(gloo_large - gloo_small, 0.0) / (2 * (world - 1) / world * LARGE_BYTES)
     engine = [_timed(_engine, SMALL_BYTES, min), _timed(_engine, LARGE_BYTES)]
     buckets = [_timed(_engine, size) for size in bucket_bytes]
+    scratch = torch.empty(LARGE_BYTES // 4)
+    copy_s = _timed(lambda t: scratch.copy_(t), LARGE_BYTES)
     return {"p2p_alpha_s": link.alpha_s, "p2p_beta_s_per_byte": link.beta_s_per_byte,
             "ring_alpha_s": ring_alpha, "ring_beta_s_per_byte": ring_beta,
             "engine_small_s": engine[0], "engine_large_s": engine[1],
-            "bucket_bytes": bucket_bytes, "bucket_s": buckets}
+            "bucket_bytes": bucket_bytes, "bucket_s": buckets, "copy_s_per_byte": copy_s / LARGE_BYTES}
 
 
 def _engine(tensor: torch.Tensor) -> object:

@@ -140,6 +140,18 @@ def _links(run: Measured) -> tuple[cost.Link | None, cost.Link | None]:
     return _least_squares(sizes, times), cost.Link(figures["ring_alpha_s"], figures["ring_beta_s_per_byte"])
 
 
+#: The fixed cost of a shared-memory allreduce: its two arrivals per round (benchmarks/RESULTS.md:
+#: 0.08 ms for 4 KB at 2 workers, issue 15's table).
+SHARED_MEMORY_ALPHA_S = 80e-6
+
+
+def shared_memory_link(copy_s_per_byte: float, local: int) -> cost.Link:
+    """The shared-memory allreduce of ``local`` ranks predicted from the host's measured copy speed:
+    each rank copies every byte in and out, and reduces 1/local of them from ``local`` slots (reading
+    all of them, writing 1/local), about half a copy's traffic more (docs/transport.md)."""
+    return cost.Link(SHARED_MEMORY_ALPHA_S, copy_s_per_byte * (2 + (local + 1) / (2 * local)))
+
+
 def _least_squares(sizes: list[int], times: list[float]) -> cost.Link:
     """``alpha + n beta`` through the timed allreduces (neither below zero)."""
     mean_n, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
