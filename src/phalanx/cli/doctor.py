@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 def run(namespace: argparse.Namespace) -> int:
     """Diagnose, then print the report (or the JSON object) and write the plot and the trace."""
     bandwidths = parse_bandwidths(namespace.bandwidth)
+    if namespace.plot and not plot.available():  # say so before minutes of measuring, then go on
+        print("phalanx doctor: matplotlib is not installed, so no plot is drawn "
+              "(pip install 'phalanx[doctor]', or --plot '' to silence this)", file=sys.stderr)
+        namespace.plot = None
     diagnosis = diagnose(namespace.target, namespace.args, namespace.nproc_per_node, namespace.steps, namespace.warmup,
                          bandwidths, namespace.timeout)
     if namespace.trace:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,6 +19,11 @@ def _series(predictions: list[Prediction]) -> dict[str, list[Prediction]]:
             link = "measured link" if p.layout.bandwidth_gbit is None else f"{p.layout.bandwidth_gbit:g} Gbit/s"
             curves[f"{p.layout.workers_per_host} per host, {link}"].append(p)
     return curves
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported (it comes with ``pip install 'phalanx[doctor]'``)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def write(predictions: list[Prediction], path: str | Path, title: str) -> None:
