@@ -274,9 +274,10 @@ def host_arena(tag: str, nbytes: int) -> torch.Tensor:
         runtime.store.wait([key], datetime.timedelta(seconds=runtime.timeout_s))
         mapping = shm.map_segment(name, nbytes, create=False)
     executor.run(executor.group.barrier)
-    if executor.group.rank == 0:  # both names can serve the next arena
+    if executor.group.rank == 0:  # both names can serve the next arena...
         shm.unlink_segment(name)
         runtime.store.delete_key(key)
+    executor.run(executor.group.barrier)  # ...once they are gone: nobody may find the old ones
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
