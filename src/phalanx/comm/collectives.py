@@ -188,9 +188,7 @@ def _allreduce_in_scope(tensor: torch.Tensor, op: str, async_op: bool,
     reduce_op = _reduce_op(op, tensor)
     if check:
         _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
-    scale = _averaging(op, tensor)
-    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
-                   lambda: scale(tensor), async_op)
+    return _backend_allreduce(tensor, reduce_op, _averaging(op, tensor), async_op)
 
 
 @overload
@@ -461,23 +459,29 @@ def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
     if tensor.is_cuda and algorithm in algorithms.ALGORITHMS:
         raise ConfigurationError(f"algorithm={algorithm!r} reduces CPU tensors; for CUDA tensors NCCL chooses its "
                                  "own algorithm: use algorithm='backend' or 'auto'.")
-    if tensor.is_cuda or runtime.size() == 1:  # NCCL chooses its own algorithm
-        return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
-                       lambda: scale(tensor), async_op)
     executor, algorithm = _route(algorithm, tensor)
     if executor is None:
-        return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
-                       lambda: scale(tensor), async_op)
+        return _backend_allreduce(tensor, reduce_op, scale, async_op)
     return _through(executor, tensor, op, algorithm, scale, async_op)
 
 
-def _route(algorithm: str, tensor: torch.Tensor) -> tuple[Any, str]:
-    """Who runs a CPU allreduce, and with which algorithm for the part that crosses the network.
+def _backend_allreduce(tensor: torch.Tensor, reduce_op: Any, scale: Callable[[torch.Tensor], torch.Tensor],
+                       async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    """torch.distributed's own allreduce over the tensor's group (of the current scope)."""
+    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
+                   lambda: scale(tensor), async_op)
 
-    Shared memory takes ``"backend"`` and ``"auto"``, and on several hosts every algorithm (it
-    then names how each slice crosses hosts). Otherwise ``"auto"`` becomes the cost model's choice;
-    Gloo's own ring runs as it is (``None``), phalanx's algorithms on their executor.
+
+def _route(algorithm: str, tensor: torch.Tensor) -> tuple[Any, str]:
+    """Who runs an allreduce, and with which algorithm for the part that crosses the network.
+
+    The backend itself (``None``) for CUDA tensors (NCCL chooses its own algorithm) and at world
+    size 1. Shared memory takes ``"backend"`` and ``"auto"``, and on several hosts every
+    algorithm (it then names how each slice crosses hosts). Otherwise ``"auto"`` becomes the cost
+    model's choice; Gloo's own ring runs as it is (``None``), phalanx's algorithms on their executor.
     """
+    if tensor.is_cuda or runtime.size() == 1:
+        return None, algorithm
     shared = runtime.shm_executor()
     if shared is not None and (algorithm in ("backend", "auto") or shared.group.cross is not None):
         return shared, algorithm
