@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,36 @@ def test_the_survivor_names_the_dead_peer_at_once() -> None:
         report = str(failure)
     assert time.monotonic() - started < 25
     assert "rank(s) [1] died" in report or "exited" in report, report
+
+
+def test_more_ranks_than_cores_sleep_while_waiting_instead_of_yielding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on one core: the early one sleeps, it never yields (a yield kept a peer queued on
+    another core waiting); the sum is still right."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    yields = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    name = f"phalanx-test-crowded-{os.getpid()}"
+    groups = [shm.SharedMemoryGroup(name, rank, 2, 10.0, create=rank == 0) for rank in (0, 1)]
+    tensors = [torch.full((1000,), 1.0), torch.full((1000,), 2.0)]
+
+    def late_peer() -> None:
+        for _ in range(5):
+            time.sleep(0.01)  # rank 0 waits about 10 ms for every arrival
+            groups[1].allreduce_(tensors[1], "sum")
+
+    peer = threading.Thread(target=late_peer)
+    peer.start()
+    try:
+        for _ in range(5):
+            groups[0].allreduce_(tensors[0], "sum")
+    finally:
+        peer.join(timeout=30)
+        groups[0].unlink()
+        for group in groups:
+            group.close()
+    assert yields == []
+    assert torch.equal(tensors[0], tensors[1])
+    assert tensors[0][0].item() == 3.0 * 2 ** 4
 
 
 def test_an_unknown_transport_is_refused() -> None:
