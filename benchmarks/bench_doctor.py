@@ -8,7 +8,7 @@ per host, over a 1 Gbit/s link. Each configuration is then run without instrumen
 prediction's error. The overhead of instrumentation is the script's own step time with the
 doctor's recorder on (never stopping) against without, in alternating order, median of the ratios.
 
-The seed's situation: the CNN at a global batch of 16 on 4 workers (4 samples each, 2 cores),
+The seed's situation: the CNN at a global batch of 8 on 4 workers (2 samples each, 2 cores),
 diagnosed by the doctor; 1 and 4 workers and the configuration of its first recommendation (when
 that is a number of workers) are then run and its predicted gain compared with the measured one.
 
@@ -34,6 +34,7 @@ from phalanx.doctor.predict import Layout, predict  # noqa: E402
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_train.py")
 STEPS = "45"
+SEED_BATCH = 8
 CONFIGS = {"2 loopback": Layout(2, 2), "3 loopback": Layout(3, 3), "2 netns 1 Gbit/s": Layout(2, 1, 1.0)}
 
 
@@ -90,8 +91,8 @@ def measure(model: str, reps: int) -> tuple[dict[str, float], float]:
 
 
 def seed_case(reps: int) -> None:
-    """The CNN at 4 samples per worker on 4 workers: the doctor's causes, its first advice, checked."""
-    extra = ["--global-batch", "16", "--steps", "60"]
+    """The CNN at 2 samples per worker on 4 workers: the doctor's causes, its first advice, checked."""
+    extra = ["--global-batch", str(SEED_BATCH), "--steps", "60"]
     diagnosis = diagnose(TRAIN, ["--model", "cnn", *extra], workers=4, steps=20, warmup=5)
     first = diagnosis.recommendations[0]
     print("\nseed case causes:\n  " + "\n  ".join(diagnosis.causes), flush=True)
@@ -106,7 +107,7 @@ def seed_case(reps: int) -> None:
             runs[count].append(loopback("cnn", count, extra=extra))
     step = {count: statistics.median(values) for count, values in runs.items()}
     measured_gain = step[4] / step[workers]
-    print(f"| seed: CNN, global batch 16 | 1 worker {step[1] * 1e3:.1f} ms | 4 workers {step[4] * 1e3:.1f} ms | "
+    print(f"| seed: CNN, global batch {SEED_BATCH} | 1 worker {step[1] * 1e3:.1f} ms | 4 workers {step[4] * 1e3:.1f} ms | "
           f"{workers} workers: predicted {first.step_s * 1e3:.1f} ms, measured {step[workers] * 1e3:.1f} ms | "
           f"gain predicted {first.gain:.2f}x, measured {measured_gain:.2f}x ({100 * (first.gain / measured_gain - 1):+.0f}%) |")
 
