@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from phalanx.comm import cost
-from phalanx.doctor import advice, predict, trace
+from phalanx.doctor import advice, noise, predict, trace
 from phalanx.doctor.diagnosis import diagnose_records
 from phalanx.doctor.measured import summarize
 from tests.doctor import records as fake
@@ -101,3 +101,17 @@ def test_the_transport_not_in_use_is_weighed_by_its_own_figures() -> None:
     assert back and "transport='gloo'" in back[0].action
     assert back[0].step_s == pytest.approx(
         predict.predict(replace(through_memory.model, transport="gloo"), predict.Layout(2, 2)).step_s)
+
+
+def test_accumulation_pays_the_exposed_allreduce_and_the_optimizer_once_per_k_batches() -> None:
+    run = summarize([fake.record(rank) for rank in range(2)])
+    model = predict.fit(run)
+    scale = noise.NoiseScale(b_simple=None, gradient_sq=-1.0, trace_sigma=1000.0, samples=64, batch=64)  # noise rules
+    found = {r.action.split("accumulate_steps=")[1][0]: r for r in advice.recommend(run, model, scale)
+             if r.kind == "accumulation"}
+    whole = predict.predict(model, predict.Layout(2, 2))
+    for k in (2, 4):
+        per_batch = whole.step_s - (whole.exposed_s + model.step_fixed_s) * (1 - 1 / k)
+        assert found[str(k)].step_s == pytest.approx(per_batch)
+        assert found[str(k)].gain == pytest.approx(whole.step_s / per_batch) and found[str(k)].gain > 1.03
+        assert found[str(k)].action.startswith(f"px.fit(..., global_batch_size={k * 64}, accumulate_steps={k})")

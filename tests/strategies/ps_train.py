@@ -24,6 +24,7 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--checkpoint-dir", default=None)
 parser.add_argument("--verbose", type=int, default=0)
+parser.add_argument("--accumulate-steps", type=int, default=1)
 parser.add_argument("--kill-rank-at-step", type=int, nargs=2, default=None, metavar=("RANK", "STEP"))
 parser.add_argument("--kill-server-after", type=float, default=None)
 args = parser.parse_args()
@@ -55,7 +56,7 @@ class KillAtStep(px.callbacks.Callback):
 if args.loop == "fit":
     history = px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=args.epochs, global_batch_size=32,
                      strategy=strategy, verbose=args.verbose, metrics=["accuracy"], checkpoint_dir=args.checkpoint_dir,
-                     callbacks=[KillAtStep()])
+                     callbacks=[KillAtStep()], accumulate_steps=args.accumulate_steps)
     print(f"{px.role()} history {history.state_dict()}", flush=True)
 elif px.role() == "server":
     strategy.serve(model, optimizer)

@@ -75,6 +75,13 @@ def test_fit_with_servers_resumes_their_optimizer_state(tmp_path: Path) -> None:
     assert len(histories) == 4 and len({h for _, h in histories}) == 1, histories  # the same on servers
 
 
+def test_fit_accumulating_through_servers_trains_like_whole_batches(tmp_path: Path) -> None:
+    """px.fit(accumulate_steps=2): two passes per step, one push to the servers, DataParallel's weights."""
+    got = trained(tmp_path, "ps-accumulating", ["-n", "2", "--servers", "1"], "sync", "--loop", "fit",
+                  "--accumulate-steps", "2")
+    assert_close(got, reference(tmp_path, 2, "--loop", "fit"))
+
+
 def test_central_storage_trains_like_data_parallel_with_state_on_one_rank(tmp_path: Path) -> None:
     out = tmp_path / "cs.pt"
     done = launch(tmp_path, ["-n", "3"], "cs", str(out))

@@ -40,10 +40,13 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
 
-def _fit_everywhere() -> dict:
+def _fit_everywhere(options: dict | None = None) -> dict:
+    options = dict(options or {})
+    if options.pop("central_storage", False):
+        options["strategy"] = px.CentralStorage()
     model = _model()
     history = px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=EPOCHS,
-                     global_batch_size=GLOBAL_BATCH, val_data=_dataset(), metrics=["accuracy"], verbose=0)
+                     global_batch_size=GLOBAL_BATCH, val_data=_dataset(), metrics=["accuracy"], verbose=0, **options)
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "history": history.history}
 
 
@@ -63,9 +66,35 @@ def _serial_reference() -> tuple[dict, list[float]]:
     return model.state_dict(), epoch_losses
 
 
+ACCUMULATING = {
+    "1 worker, 4 chunks": (1, {"accumulate_steps": 4}),
+    "3 workers, 3 chunks": (3, {"accumulate_steps": 3}),  # shares of 10 and 7 samples: uneven chunks
+    "2 workers, central storage, 2 chunks": (2, {"accumulate_steps": 2, "central_storage": True}),
+}
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_fit_matches_a_serial_loop_over_the_same_samples(world_size: int) -> None:
-    results = run_workers(_fit_everywhere, world_size, timeout=150)
+    _assert_matches_serial_loop(run_workers(_fit_everywhere, world_size, timeout=150))
+
+
+@pytest.mark.parametrize("case", sorted(ACCUMULATING))
+def test_accumulating_in_chunks_matches_the_serial_loop_over_whole_batches(case: str) -> None:
+    world_size, options = ACCUMULATING[case]
+    _assert_matches_serial_loop(run_workers(_fit_everywhere, world_size, options, timeout=150))
+
+
+def test_accumulation_refuses_bad_settings() -> None:
+    px.init()
+    model = _model()
+    for options, message in (({"accumulate_steps": 0}, "at least 1"),
+                             ({"accumulate_steps": 2, "reproducible": True, "micro_batch_size": 2}, "drop accumulate")):
+        with pytest.raises(px.ConfigurationError, match=message):
+            px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=1, global_batch_size=GLOBAL_BATCH,
+                   verbose=0, **options)
+
+
+def _assert_matches_serial_loop(results: list[dict]) -> None:
     reference, losses = _serial_reference()
     for rank, result in enumerate(results):
         for name, value in reference.items():

@@ -119,7 +119,8 @@ def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseSc
         whole = predict(model, layout)
         per_batch = whole.step_s - (whole.exposed_s + model.slowdown(layout.local) * model.step_fixed_s) * (1 - 1 / k)
         found.append(Recommendation(
-            "accumulation", f"px.DataParallel(model, accumulate_steps={k}) and an optimizer step every {k} batches",
+            "accumulation", f"px.fit(..., global_batch_size={k * run.global_batch:g}, accumulate_steps={k}), or in a "
+            f"loop of your own px.DataParallel(model, accumulate_steps={k}) and an optimizer step every {k} batches",
             per_batch, now / per_batch * _steps_ratio(scale, run.global_batch, k * run.global_batch),
             f"the optimizer's batch becomes {k * run.global_batch:g}" + _batch_note(scale, k * run.global_batch)))
     return found

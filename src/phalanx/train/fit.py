@@ -38,8 +38,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
         *, epochs: int, global_batch_size: int, val_data: Any = None, metrics: Sequence[str | Metric] = (),
         callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
-        reproducible: bool = False, micro_batch_size: int | None = None, verbose: int = 1,
-        log_dir: str | Path | None = None, strategy: Strategy | None = None) -> History:
+        reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
+        verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None) -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
     ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
@@ -51,6 +51,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     says which, and when training was already complete).
     ``reproducible=True`` with ``micro_batch_size=m`` makes the trained weights bitwise identical
     for any number of workers (see :mod:`phalanx.parallel.exact` and docs/reproducibility.md).
+    ``accumulate_steps=k`` runs each worker's share of a step in ``k`` forward-backward passes and
+    reduces over workers once, in the last: the same step with ``1/k`` of the activation memory, so
+    a global batch ``k`` times larger costs no more memory and one allreduce (``phalanx doctor``'s
+    accumulation advice).
     ``strategy`` places parameters and optimizer state otherwise than on every worker:
     :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
     process ``fit`` serves, and returns the workers' history) or
@@ -59,6 +63,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     """
     runtime.init()
     micro = _micro_batch_size(reproducible, micro_batch_size)
+    _check_accumulation(accumulate_steps, reproducible)
     _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
     val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
@@ -67,7 +72,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     torch.manual_seed(mix_seed(seed, runtime.rank()))
     model, optimizer = strategy.setup(model, optimizer) if strategy is not None else (_wrap(model), optimizer)
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
-                       exact=ExactGradients(model, micro, seed) if micro else None)
+                       exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps)
     hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
                                        checkpoint_every, log_dir))
     if resume and checkpoint_dir is not None:
@@ -245,6 +250,15 @@ def _wrap(model: nn.Module) -> DataParallel:
     if isinstance(model, DataParallel):
         return model
     return DataParallel(model.to(runtime.device()))
+
+
+def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ConfigurationError(f"accumulate_steps must be a whole number of at least 1, got {accumulate_steps!r}.")
+    if accumulate_steps > 1 and reproducible:
+        raise ConfigurationError(
+            "reproducible=True already runs every step in micro-batches of micro_batch_size samples, so its memory "
+            "is that of one micro-batch: drop accumulate_steps.")
 
 
 def _micro_batch_size(reproducible: bool, micro_batch_size: int | None) -> int | None:

@@ -58,6 +58,7 @@ class TrainState:
     seed: int = 0
     metrics: list = field(default_factory=list)
     exact: Any = None
+    accumulate_steps: int = 1  # forward and backward passes per step, each over a chunk of the local batch
     lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
 
     @property

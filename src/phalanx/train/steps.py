@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -31,13 +32,29 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable) -> None:
     elif len(targets) == 0:
         state.model.reduce_without_data()
     else:
-        outputs = state.model(*inputs)
-        loss = loss_fn(outputs, targets)
-        loss.backward()
-        with torch.no_grad():
-            for metric in metrics:
-                metric.update(outputs.detach(), targets, loss.detach() * len(targets))
+        _backward_in_chunks(state, inputs, targets, loss_fn)
     state.optimizer.step()
+
+
+def _backward_in_chunks(state: TrainState, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                        loss_fn: Callable) -> None:
+    """Forward and backward ``targets``' samples in ``state.accumulate_steps`` chunks, reducing over
+    ranks only in the last: the gradient of the whole batch's mean loss, with one chunk's memory."""
+    chunks = min(state.accumulate_steps, len(targets))
+    if chunks > 1 and not all(isinstance(part, torch.Tensor) and len(part) == len(targets) for part in inputs):
+        raise ConfigurationError(
+            f"accumulate_steps={state.accumulate_steps} splits every input of a batch along its first dimension, "
+            "like the targets: give batches of tensors with one row per sample, or accumulate_steps=1.")
+    parts = zip(*(torch.tensor_split(part, chunks) for part in (*inputs, targets)))
+    for index, (*chunk_inputs, chunk_targets) in enumerate(parts):
+        share = len(chunk_targets) / len(targets)
+        with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
+            outputs = state.model(*chunk_inputs)
+            loss = loss_fn(outputs, chunk_targets)
+            (loss * share if share != 1 else loss).backward()
+        with torch.no_grad():
+            for metric in state.metrics:
+                metric.update(outputs.detach(), chunk_targets, loss.detach() * len(chunk_targets))
 
 
 @torch.no_grad()
