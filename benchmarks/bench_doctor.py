@@ -8,11 +8,14 @@ per host, over a 1 Gbit/s link. Each configuration is then run without instrumen
 prediction's error. The overhead of instrumentation is the script's own step time with the
 doctor's recorder on (never stopping) against without, in alternating order, median of the ratios.
 
+Accumulation: each model at twice its global batch with px.fit(accumulate_steps=2) on 2 workers,
+against the doctor's accumulation advice (time per measured global batch).
+
 The seed's situation: the CNN at a global batch of 8 on 4 workers (2 samples each, 2 cores),
 diagnosed by the doctor; 1 and 4 workers and the configuration of its first recommendation (when
 that is a number of workers) are then run and its predicted gain compared with the measured one.
 
-    python benchmarks/bench_doctor.py [--models mlp cnn transformer] [--reps 3]   # root for the netns rows
+    python benchmarks/bench_doctor.py [--models mlp cnn transformer] [--reps 3] [--cases ...]   # root: netns rows
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ddp import NETNS, NETNS_ADDR, netns_down, netns_up  # noqa: E402
 
 from phalanx.cli.doctor import diagnose  # noqa: E402
+from phalanx.doctor.advice import accumulated_step  # noqa: E402
+from phalanx.doctor.diagnosis import Diagnosis  # noqa: E402
 from phalanx.doctor.predict import Layout, predict  # noqa: E402
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_train.py")
 STEPS = "45"
 SEED_BATCH = 8
+CASES = ("configurations", "accumulation", "seed")
 CONFIGS = {"2 loopback": Layout(2, 2), "3 loopback": Layout(3, 3), "2 netns 1 Gbit/s": Layout(2, 1, 1.0)}
 
 
@@ -112,18 +118,48 @@ def seed_case(reps: int) -> None:
           f"gain predicted {first.gain:.2f}x, measured {measured_gain:.2f}x ({100 * (first.gain / measured_gain - 1):+.0f}%) |")
 
 
+def accumulation_case(model: str, diagnosis: Diagnosis, reps: int) -> None:
+    """px.fit(accumulate_steps=2) at twice the global batch on 2 workers: the time per measured batch
+    predicted by the doctor's accumulation advice against the run (alternating with no accumulation)."""
+    batch = int(diagnosis.measured.global_batch)
+    predicted = accumulated_step(diagnosis.model, Layout(2, 2), 2)
+    plain, accumulated = [], []
+    for _ in range(reps):
+        plain.append(loopback(model, 2, extra=["--global-batch", str(batch)]))
+        accumulated.append(loopback(model, 2, extra=["--global-batch", str(2 * batch), "--accumulate-steps", "2"]) / 2)
+    now, then = statistics.median(plain), statistics.median(accumulated)
+    print(f"| {model}: accumulate_steps=2, global batch {2 * batch} | per {batch} samples: predicted "
+          f"{predicted * 1e3:.1f} ms, measured {then * 1e3:.1f} ms ({100 * (predicted / then - 1):+.1f}%) | without: "
+          f"{now * 1e3:.1f} ms | speed-up predicted {predict(diagnosis.model, Layout(2, 2)).step_s / predicted:.3f}x, "
+          f"measured {now / then:.3f}x |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--no-seed", action="store_true", help="skip the seed's situation")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                        help="configurations: the 9-cell table; accumulation; seed: the seed's situation")
     args = parser.parse_args(argv)
+    diagnoses = {model: diagnose(TRAIN, ["--model", model, "--steps", STEPS], workers=2, steps=20, warmup=5)
+                 for model in args.models if {"configurations", "accumulation"} & set(args.cases)}
+    if "configurations" in args.cases:
+        configurations(diagnoses, args.reps)
+    if "accumulation" in args.cases:
+        for model, diagnosis in diagnoses.items():
+            accumulation_case(model, diagnosis, args.reps)
+    if "seed" in args.cases:
+        seed_case(args.reps)
+    return 0
+
+
+def configurations(diagnoses: dict[str, Diagnosis], reps: int) -> None:
+    """The table: each model's predictions from its diagnosis against the configurations run."""
     rows = []
     netns_up("1gbit")
     try:
-        for model in args.models:
-            diagnosis = diagnose(TRAIN, ["--model", model, "--steps", STEPS], workers=2, steps=20, warmup=5)
-            measured, overhead = measure(model, args.reps)
+        for model, diagnosis in diagnoses.items():
+            measured, overhead = measure(model, reps)
             for name, layout in CONFIGS.items():
                 predicted = predict(diagnosis.model, layout).step_s
                 rows.append((model, name, predicted, measured[name], overhead))
@@ -136,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for model, name, predicted, measured_s, overhead in rows:
         print(f"| {model} | {name} | {predicted * 1e3:.1f} | {measured_s * 1e3:.1f} | "
               f"{100 * (predicted / measured_s - 1):+.1f}% | {overhead:.3f} |")
-    if not args.no_seed:
-        seed_case(args.reps)
-    return 0
+    print()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The training script bench_doctor.py diagnoses and times: one of bench_ddp.py's models under px.fit.
 
-    phalanx run -n 2 benchmarks/doctor_train.py --model cnn [--global-batch 64] [--steps 40] [--time]
+    phalanx run -n 2 benchmarks/doctor_train.py --model cnn [--global-batch 64] [--steps 40] [--accumulate-steps 1] [--time]
 
 With ``--time`` rank 0 prints ``STEP_S <mean seconds>`` over the steps after the first five
 (timed by a callback at each step's end, nothing else instrumented).
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accumulate-steps", type=int, default=1)
     parser.add_argument("--time", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -57,7 +58,7 @@ def main() -> None:
     model = build_model(args.model)
     timer = StepTimer()
     px.fit(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), F.cross_entropy, (x, y), epochs=1,
-           global_batch_size=batch, callbacks=[timer], verbose=0)
+           global_batch_size=batch, callbacks=[timer], verbose=0, accumulate_steps=args.accumulate_steps)
     if args.time and px.rank() == 0:
         print(f"STEP_S {timer.mean_step_s():.6f}", flush=True)
     px.shutdown()

@@ -112,12 +112,17 @@ def _transport(run: Measured, model: ScalingModel, now: float) -> list[Recommend
                            "the overlap measured with the transport in use is assumed for the other")]
 
 
+def accumulated_step(model: ScalingModel, layout: Layout, k: int) -> float:
+    """Seconds per measured global batch when each optimizer step accumulates ``k`` of them: the
+    exposed allreduce and the optimizer are paid once per ``k`` batches."""
+    whole = predict(model, layout)
+    return whole.step_s - (whole.exposed_s + model.slowdown(layout.local) * model.step_fixed_s) * (1 - 1 / k)
+
+
 def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseScale) -> list[Recommendation]:
     found = []
-    layout = Layout(run.world_size, run.workers_per_host)
     for k in (2, 4):
-        whole = predict(model, layout)
-        per_batch = whole.step_s - (whole.exposed_s + model.slowdown(layout.local) * model.step_fixed_s) * (1 - 1 / k)
+        per_batch = accumulated_step(model, Layout(run.world_size, run.workers_per_host), k)
         found.append(Recommendation(
             "accumulation", f"px.fit(..., global_batch_size={k * run.global_batch:g}, accumulate_steps={k}), or in a "
             f"loop of your own px.DataParallel(model, accumulate_steps={k}) and an optimizer step every {k} batches",
