@@ -45,7 +45,8 @@ def _backward_in_chunks(state: TrainState, inputs: tuple[torch.Tensor, ...], tar
         raise ConfigurationError(
             f"accumulate_steps={state.accumulate_steps} splits every input of a batch along its first dimension, "
             "like the targets: give batches of tensors with one row per sample, or accumulate_steps=1.")
-    parts = zip(*(torch.tensor_split(part, chunks) for part in (*inputs, targets)))
+    whole = (*inputs, targets)
+    parts = zip(*(torch.tensor_split(part, chunks) for part in whole)) if chunks > 1 else [whole]
     for index, (*chunk_inputs, chunk_targets) in enumerate(parts):
         share = len(chunk_targets) / len(targets)
         with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
