@@ -16,7 +16,7 @@ import secrets
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ JOB_ENV = "PHALANX_JOB_ID"  # the launcher's: names this job's shared-memory seg
 TRANSPORTS = ("auto", "shm", "gloo")
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -267,12 +268,8 @@ def host_arena(tag: str, nbytes: int) -> torch.Tensor:
     executor = runtime.shm
     assert executor is not None
     name, key = f"{executor.group.name}-{tag}", f"{_prefix(runtime.generation)}arena/{tag}"
-    if executor.group.rank == 0:
-        mapping = shm.map_segment(name, nbytes, create=True)
-        runtime.store.set(key, name)
-    else:
-        runtime.store.wait([key], datetime.timedelta(seconds=runtime.timeout_s))
-        mapping = shm.map_segment(name, nbytes, create=False)
+    mapping = _created_by_first(executor.group.rank == 0, key, runtime.store, runtime.timeout_s,
+                                lambda create: shm.map_segment(name, nbytes, create))
     executor.run(executor.group.barrier)
     if executor.group.rank == 0:  # both names can serve the next arena...
         shm.unlink_segment(name)
@@ -293,11 +290,16 @@ def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:
     if runtime.messages is None:
         before = socket_inodes()
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runtime.timeout_s))
-        runtime.sockets.update({inode: fd for inode, fd in socket_inodes().items() if inode not in before})
+        runtime.sockets.update(_sockets_since(before))
         if _elastic is not None:  # a broken generation's watchdog must be able to cut these too
             _elastic.track(runtime.generation, dict(runtime.sockets))
         runtime.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
     return runtime.messages
+
+
+def _sockets_since(before: dict[str, int]) -> dict[str, int]:
+    """The sockets this process opened since ``before`` (a group's connections, for the watchdog)."""
+    return {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
 
 
 def _close_executors(runtime: _Runtime) -> None:
@@ -392,7 +394,7 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
             f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
         ) from error
     executor = _open_shm(info, store, generation, transport, backend, timeout_s)
-    sockets = {inode: fd for inode, fd in socket_inodes().items() if inode not in before}  # cross-host groups too
+    sockets = _sockets_since(before)  # cross-host groups too
     return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
                     sockets=sockets, transport=transport, shm=executor)
 
@@ -425,17 +427,24 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
     cross = _cross_host_groups(hosts, index, timeout_s) if len(hosts) > 1 else None
     name = shm.segment_name(_job_id(store), generation)
     key = f"{_prefix(generation)}shm/{host}"
-    if index == 0:
-        group = shm.SharedMemoryGroup(name, 0, len(local), timeout_s, create=True, cross=cross)
-        store.set(key, name)
-    else:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-        group = shm.SharedMemoryGroup(name, index, len(local), timeout_s, create=False, cross=cross)
+    group = _created_by_first(index == 0, key, store, timeout_s,
+                              lambda create: shm.SharedMemoryGroup(name, index, len(local), timeout_s, create, cross))
     dist.barrier()
     if index == 0:  # every rank has it mapped: nothing is left in /dev/shm or the store, whatever happens next
         group.unlink()
         store.delete_key(key)  # a later init in this job (after shutdown) waits for its own segment
     return OrderedExecutor(group, "shm")
+
+
+def _created_by_first(first: bool, key: str, store: Any, timeout_s: float, open_segment: Callable[[bool], T]) -> T:
+    """A host's shared segment: its first rank creates it (``open_segment(True)``) and then sets
+    ``key``; the others wait for ``key`` and open it (``open_segment(False)``)."""
+    if first:
+        made = open_segment(True)
+        store.set(key, "created")
+        return made
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return open_segment(False)
 
 
 def _prefix(generation: int) -> str:
