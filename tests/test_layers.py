@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
-BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime", "profile"}
+BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime", "profile", "faults"}
 
 # What each part of the package may import besides itself. Anything not listed is refused.
 ALLOWED: dict[str, set[str]] = {
@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "lifetime": set(),
     "rng": set(),
     "profile": set(),
+    "faults": {"errors"},
     "comm": BOTTOM,
     "parallel": BOTTOM | {"comm"},  # the engine knows nothing of loaders
     "data": BOTTOM | {"comm"},  # loaders know nothing of the engine

@@ -2,7 +2,9 @@
 
 Run by ``phalanx run`` (elastic) or as a plain process (the uninterrupted reference). It writes
 its pid to ``--pids``, rank 0 writes the global step to ``--progress`` after every step, and at
-the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``.
+the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``. With
+``--checkpoints`` it also validates every epoch and writes checkpoints there (neither changes the
+weights, so the reference is the same).
 """
 
 from __future__ import annotations
@@ -38,17 +40,18 @@ def digest(state: dict) -> str:
     return hasher.hexdigest()
 
 
-def train(progress: Path | None = None) -> str:
+def train(progress: Path | None = None, checkpoints: Path | None = None) -> str:
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    validation = (x[:48], y[:48]) if checkpoints else None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
                           nn.Dropout(0.2), nn.Linear(6 * 8 * 8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
            reproducible=True, micro_batch_size=MICRO, verbose=0, metrics=["accuracy"],
-           callbacks=[Progress(progress)] if progress else [])
+           callbacks=[Progress(progress)] if progress else [], val_data=validation, checkpoint_dir=checkpoints)
     return digest(model.state_dict())
 
 
@@ -57,9 +60,11 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pids", type=Path, required=True)
     parser.add_argument("--progress", type=Path, required=True)
+    parser.add_argument("--checkpoints", type=Path)
     args = parser.parse_args()
+    torch.set_num_threads(1)
     px.init()
     (args.pids / f"{px.rank()}.pid").write_text(str(os.getpid()))
-    result = train(args.progress)
+    result = train(args.progress, args.checkpoints)
     if px.is_master():
         torch.save({"digest": result}, args.out)

@@ -45,7 +45,7 @@ class Launch:
     """One ``phalanx run`` of the test job; ``wait()`` returns the exit code, ``stderr`` its summary."""
 
     def __init__(self, directory: Path, launcher_args: Sequence[str], job_args: Sequence[str] = (),
-                 name: str = "node0", prefix: Sequence[str] = (), job: Path = JOB):
+                 name: str = "node0", prefix: Sequence[str] = (), job: Path = JOB, env: dict[str, str] | None = None):
         self.directory = directory
         self.pids = directory / "pids"
         self.pids.mkdir(exist_ok=True)
@@ -56,7 +56,7 @@ class Launch:
         command = [*prefix, sys.executable, "-m", "phalanx", "run", *launcher_args, str(job),
                    "--out", str(self.out), "--pids", str(self.pids), "--progress", str(self.progress), *job_args]
         with open(self.log_out, "wb") as out, open(self.log_err, "wb") as err:
-            self.process = subprocess.Popen(command, cwd=directory, env=clean_env(), stdout=out, stderr=err,
+            self.process = subprocess.Popen(command, cwd=directory, env=clean_env(**(env or {})), stdout=out, stderr=err,
                                             start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
     def wait(self, timeout: float) -> int:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx import faults
 from phalanx.errors import CollectiveTimeoutError, WorkerFailedError
 
 ELASTIC_ENV = "PHALANX_ELASTIC"
@@ -123,6 +124,8 @@ class ElasticClient:
                        "reason": reason, "time": time.time()}
             key = Keys.answer(self.member, self.seq)
             self.store.queue_push(Keys.INBOX, json.dumps(message))
+            if reason != "start":
+                faults.point("reform.request")
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
             return json.loads(self.store.get(key))
         except (RuntimeError, OSError) as error:

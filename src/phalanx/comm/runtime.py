@@ -15,12 +15,14 @@ import os
 import secrets
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from phalanx import faults
 from phalanx.comm import algorithms, shm
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.ordered import OrderedExecutor
@@ -104,6 +106,7 @@ def init(backend: str | None = None, timeout: float | None = None, transport: st
     else:
         _runtime = _create_group(info, timeout_s, backend, device, transport=transport)
     _shutdown_at_exit()
+    faults.point("init.done")
 
 
 def shutdown() -> None:
@@ -514,6 +517,7 @@ def _adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.devi
 # --------------------------------------------------------------------------------------------
 
 _elastic: ElasticClient | None = None
+FORMATION_POLL_S = 0.01
 
 
 def is_elastic() -> bool:
@@ -613,6 +617,9 @@ def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: flo
                       tuple(answer.get("joined", ())), str(answer.get("reason", "start")),
                       float(answer.get("event_time", 0.0)))
     placed = dataclasses.replace(info, rank=rank, world_size=len(members))
+    if generation > 0:
+        faults.point("reform.group")
+    _await_members(store, generation, len(members), timeout_s)
     if len(members) == 1:
         _elastic.track(generation, {})
         return _Runtime(placed, timeout_s, backend, device, store=store, generation=generation, membership=view,
@@ -621,6 +628,20 @@ def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: flo
                             transport=transport)
     _elastic.track(generation, runtime.sockets if backend == "gloo" else {})
     return dataclasses.replace(runtime, membership=view)
+
+
+def _await_members(store: Any, generation: int, size: int, timeout_s: float) -> None:
+    """Wait until every member of ``generation`` is here to form its group; raise at once when the
+    coordinator declares one lost meanwhile (a group formed without it would wait out the timeout)."""
+    arrived = f"{_prefix(generation)}arrived"
+    store.add(arrived, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(arrived, 0) < size:
+        if store.add(Keys.broken(generation), 0) > 0 or time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"forming generation {generation} of the elastic group failed: a member was lost before all "
+                f"{size} arrived.")
+        time.sleep(FORMATION_POLL_S)
 
 
 def _leave_group() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phalanx import rng
+from phalanx import faults, rng
 from phalanx.data._batch import MapData, TensorData
 from phalanx.sharding import mix_seed
 from phalanx.errors import DataMismatchError
@@ -65,6 +65,8 @@ def record_of(samples: int | None, seed: int, global_batch_size: int, shuffle: b
 def check_same_data(record: list[int]) -> None:
     """Allgather ``record`` (one collective) and raise on every rank if any rank's differs."""
     from phalanx.comm.collectives import allgather
+
+    faults.point("loader.check")
 
     rows = allgather(torch.tensor(record, dtype=torch.int64), check=False).view(-1, len(FIELDS)).tolist()
     if any(row != rows[0] for row in rows):

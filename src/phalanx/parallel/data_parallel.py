@@ -56,9 +56,12 @@ class DataParallel(nn.Module):
         #: Warn once if the first local batch is too small for local batch-norm statistics.
         #: Reproducible mode turns it off: there, per-micro-batch statistics are the design.
         self.check_batchnorm_batch = True
-        if runtime.size() > 1 and broadcast:
-            replicate.check_same_structure(self.module)
-            replicate.broadcast_state(self.module)
+        #: In an elastic launch the replicas are made equal inside the elastic protection (the
+        #: first sync of a px.elastic.State, or else the first training forward), so that a worker
+        #: lost while the model is being built is survived.
+        self._replicate_pending = runtime.size() > 1 and broadcast
+        if self._replicate_pending and not runtime.is_elastic():
+            self._replicate()
         if reduction is not None and compression is not None:
             raise ConfigurationError("pass reduction= or its older name compression=, not both.")
         if algorithm not in collectives.ALLREDUCE_ALGORITHMS:
@@ -69,6 +72,12 @@ class DataParallel(nn.Module):
         self._reduction = profile.wrap(resolved)
         self._check_finite = check_finite
         self.reducer = self._make_reducer(threshold)
+
+    def _replicate(self) -> None:
+        """Check that every rank built the same model, then give every replica rank 0's state."""
+        replicate.check_same_structure(self.module)
+        replicate.broadcast_state(self.module)
+        self._replicate_pending = False
 
     def _make_reducer(self, threshold: float, summation: Summation | None = None,
                       always: bool = False) -> GradientReducer | None:
@@ -133,8 +142,11 @@ class DataParallel(nn.Module):
         mine = self.reducer.threshold_mb if self.reducer is not None else None
         agreed = next((t for t in collectives.allgather_object(mine) if t is not None), None)
         self.reset_reducer(agreed)
+        self._replicate_pending = False  # the state synchronised with the group is loaded next
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._replicate_pending and self.training and torch.is_grad_enabled():
+            self._replicate()
         local_samples = _batch_size(args, kwargs)
         if self.check_batchnorm_batch:
             self.check_batchnorm_batch = False

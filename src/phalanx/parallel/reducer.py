@@ -23,7 +23,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from phalanx import profile
+from phalanx import faults, profile
 from phalanx.comm import collectives, runtime
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
@@ -210,6 +210,7 @@ class GradientReducer:
                 self._complete(bucket)
 
     def _wait_for_buckets(self) -> None:
+        faults.point("step.reduce")
         for bucket in self._buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()

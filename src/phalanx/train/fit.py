@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from phalanx import elastic, tune
+from phalanx import elastic, faults, tune
 from phalanx.comm import runtime
 from phalanx.data import DistributedLoader
 from phalanx.sharding import mix_seed
@@ -62,6 +63,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
     """
     runtime.init()
+    faults.point("fit.setup")
     micro = _micro_batch_size(reproducible, micro_batch_size)
     _check_accumulation(accumulate_steps, reproducible)
     _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
@@ -75,14 +77,11 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
                        exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps)
     hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
                                        checkpoint_every, log_dir))
-    if resume and checkpoint_dir is not None:
-        resumed_from = checkpoint.restore(state, checkpoint_dir)
-        if resumed_from is not None:
-            _report_resume(state, resumed_from, checkpoint_dir, verbose)
+    prepare = functools.partial(_prepare, state, checkpoint_dir if resume else None, verbose)
     if strategy is None:
-        _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+        _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
     else:
-        _train_with(strategy, state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+        _train_with(strategy, state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
     return state.history
 
 
@@ -108,14 +107,15 @@ def _serve(strategy: Strategy | None, model: nn.Module, optimizer: torch.optim.O
 
 
 def _train_with(strategy: Strategy, state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any,
-                lr_schedule: Schedule | None, checkpoint_dir: str | Path | None) -> None:
+                lr_schedule: Schedule | None, checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
     """Train under ``strategy``; a worker that fails drops its connections instead of saying goodbye,
     so that parameter servers count it as lost rather than finished."""
     state.lockstep = not strategy.asynchronous
     try:
         if state.lockstep:
-            _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+            _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
         else:
+            prepare()
             train_async(state, hooks, loss_fn, val_loader, lr_schedule, strategy.client)
     except BaseException:
         strategy.close()
@@ -144,6 +144,18 @@ def _check_strategy(strategy: Strategy | None, micro_batch_size: int | None, che
             "the job was launched with parameter servers (--servers), but strategy= is not px.ParameterServer.")
 
 
+def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int) -> None:
+    """Continue from the newest readable checkpoint in ``checkpoint_dir``, if any (collective), and
+    note the learning rates the schedule starts from."""
+    if checkpoint_dir is not None:
+        faults.point("fit.resume")
+        resumed_from = checkpoint.restore(state, checkpoint_dir)
+        if resumed_from is not None:
+            _report_resume(state, resumed_from, checkpoint_dir, verbose)
+    if not state.scheduled_lrs:
+        state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
+
+
 def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, verbose: int) -> None:
     """Rank 0 says which checkpoint the run continues from, and when it leaves nothing to train.
 
@@ -166,20 +178,25 @@ def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, ve
 
 
 def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
-           checkpoint_dir: str | Path | None) -> None:
-    if not state.scheduled_lrs:
-        state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
-    hooks.on_train_begin(state)
+           checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
     if elastic.enabled():
-        _train_elastic(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir)
+        _train_elastic(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
     else:
+        prepare()
+        hooks.on_train_begin(state)
         _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, commit=lambda: None)
+    faults.point("train.end")
     hooks.on_train_end(state)
 
 
 def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
-                   checkpoint_dir: str | Path | None) -> None:
-    """The same loop, committed after every step: a lost worker costs at most the step in flight."""
+                   checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
+    """The same loop, committed after every step: a lost worker costs at most the step in flight.
+
+    Everything collective happens inside the elastic protection: the replicas are made equal by the
+    State's first sync, and the resume from a checkpoint is the first commit (``prepared``), so a
+    worker lost at any moment after ``px.init()`` is survived like one lost mid-epoch.
+    """
     optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
     objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
                "loop": LoopPosition(state), **({"val_loader": val_loader} if val_loader is not None else {}),
@@ -188,8 +205,21 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         last = Path(checkpoint_dir) / checkpoint.ELASTIC_LAST
-    carried = elastic.State(checkpoint_path=last, **objects)
-    elastic.run(lambda _: _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, carried.commit))(carried)
+    carried = elastic.State(checkpoint_path=last, prepared=False, **objects)
+    begun = False
+
+    def train(carried: elastic.State) -> None:
+        nonlocal begun
+        if not carried.prepared:
+            prepare()
+            carried.prepared = True
+            carried.commit()
+        if not begun:  # once per process: callbacks are this worker's own objects
+            hooks.on_train_begin(state)
+            begun = True
+        _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, carried.commit)
+
+    elastic.run(train)(carried)
 
 
 def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
@@ -199,9 +229,11 @@ def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: 
         if logs is None:  # stopped mid-epoch: the position stays resumable
             return
         if val_loader is not None:
+            faults.point("validation")
             logs.update(evaluate_batches(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
         state.history.append(epoch, logs)
         hooks.on_epoch_end(epoch, logs, state)
+        faults.point("epoch.end")
         commit()
         if state.stop_training:
             return
@@ -233,7 +265,9 @@ def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
     for batch in state.loader:
         apply_schedule(state, lr_schedule)
         hooks.on_step_begin(state.step, state)
+        faults.point("step.forward")
         train_step(state, batch, loss_fn)
+        faults.point("step.end")
         state.step, state.global_step = state.step + 1, state.global_step + 1
         samples += state.loader.last_global_batch_size
         if state.step % LOG_EVERY_STEPS == 0 or not logs:

@@ -1,0 +1,99 @@
+"""A worker lost at any moment after ``px.init()`` is survived, bitwise.
+
+Each case kills chosen workers at named moments (``PHALANX_FAULTS``, see ``phalanx.faults``) of an
+elastic ``px.fit`` job in reproducible mode that also validates and writes checkpoints; the job must
+exit 0 with the weights of an uninterrupted run. The randomized test kills a random worker after a
+random delay from the launch instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx import faults
+from phalanx.errors import ConfigurationError
+from tests.elastic import fit_job
+from tests.elastic.launch import launched
+
+# (faults, workers, min workers): every moment, each with the worker most at risk there.
+CASES = [
+    ("init.done@2", 3, 2),
+    ("fit.setup@1", 3, 2),
+    ("state.sync@0", 3, 2),           # the root of the initial broadcast
+    ("fit.resume@0", 3, 2),           # the rank that reads the checkpoint folder
+    ("loader.check@2", 3, 2),
+    ("step.forward@1", 3, 2),         # the first step
+    ("step.reduce@2", 3, 2),
+    ("step.end@1#5", 3, 2),
+    ("validation@2", 3, 2),
+    ("checkpoint.write@0", 3, 2),     # rank 0 writes
+    ("epoch.end@1#3", 3, 2),          # the last epoch's end
+    ("train.end@2", 3, 2),
+    # a second death while the survivors re-form, down to the minimum
+    ("step.end@2#4,reform.request@1", 3, 1),
+    ("step.end@2#4,reform.group@1", 3, 1),
+    ("step.end@2#4,state.sync@0#2", 3, 1),
+]
+
+
+@functools.lru_cache(maxsize=1)
+def uninterrupted() -> str:
+    return fit_job.train()
+
+
+def run_job(tmp_path: Path, workers: int, min_workers: int, env: dict[str, str] | None = None,
+            kill_after: float | None = None) -> tuple[str, str]:
+    """Run the job to its end; its digest and the launcher's output."""
+    args = ["-n", str(workers), "--min-workers", str(min_workers), "--timeout", "40"]
+    with launched(tmp_path, args, ["--checkpoints", str(tmp_path / "checkpoints")], job=Path(fit_job.__file__),
+                  env=env) as job:
+        if kill_after is not None:
+            _kill_one_after(job, workers, kill_after)
+        started = time.monotonic()
+        code = job.wait(timeout=150)
+        elapsed = time.monotonic() - started
+        print(f"exit {code} after {elapsed:.1f}s")
+        assert code == 0, job.output()
+        assert elapsed < 35, f"the job took {elapsed:.0f}s: a re-form waited for a timeout\n{job.output()}"
+        return job.result()["digest"], job.stderr
+
+
+def _kill_one_after(job, workers: int, delay: float) -> None:
+    victim = random.randrange(workers)
+    pid = job.worker_pid(victim, timeout=60)  # written right after px.init()
+    time.sleep(max(0.0, delay))
+    if job.process.poll() is None:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("spec,workers,min_workers", CASES, ids=[case[0] for case in CASES])
+def test_a_worker_lost_at_this_moment_is_survived_bitwise(tmp_path: Path, spec: str, workers: int,
+                                                          min_workers: int) -> None:
+    digest, launcher = run_job(tmp_path, workers, min_workers, env={faults.ENV: spec})
+    assert launcher.count("was lost: signal SIGKILL") == len(spec.split(",")), launcher
+    assert digest == uninterrupted()
+
+
+def test_the_cases_cover_every_moment() -> None:
+    named = {entry.split("@")[0] for spec, _, _ in CASES for entry in spec.split(",")}
+    assert named == set(faults.MOMENTS)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_worker_killed_at_a_random_time_is_survived_bitwise(tmp_path: Path, seed: int) -> None:
+    random.seed(f"{os.getpid()}-{time.time()}-{seed}")
+    digest, _ = run_job(tmp_path, 3, 2, kill_after=random.uniform(0.0, 6.0))
+    assert digest == uninterrupted()
+
+
+def test_a_fault_spec_that_names_no_moment_is_refused() -> None:
+    assert faults.parse("step.end@1#3,validation@2", member=1) == {"step.end": 3}
+    with pytest.raises(ConfigurationError, match="step.ned"):
+        faults.parse("step.ned@1", member=1)
