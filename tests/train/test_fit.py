@@ -94,6 +94,39 @@ def test_accumulation_refuses_bad_settings() -> None:
                    verbose=0, **options)
 
 
+def test_two_settings_of_one_thing_are_refused_naming_both_before_anything_trains() -> None:
+    px.init()
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cases = [
+        (px.DataParallel(model, accumulate_steps=3), _dataset(), {"accumulate_steps": 2},
+         r"DataParallel\(accumulate_steps=3\) and px.fit\(accumulate_steps=2\)"),
+        (px.DataParallel(model, accumulate_steps=3), _dataset(), {}, r"accumulate_steps=3"),
+        (model, px.data.DistributedLoader(_dataset(), global_batch_size=32), {},
+         r"global_batch_size=32, but px.fit got global_batch_size=30"),
+    ]
+    for target, data, options, message in cases:
+        with pytest.raises(px.ConfigurationError, match=message):
+            px.fit(target, _optimizer(model), F.cross_entropy, data, epochs=1, global_batch_size=GLOBAL_BATCH,
+                   verbose=0, **options)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_data_without_a_step_is_refused_before_training() -> None:
+    px.init()
+    model = _model()
+    x, y = _dataset()
+    empty = (x[:0], y[:0])
+    for train, val, extra, message in (
+            (empty, None, {}, "train_data holds no samples"),
+            ((x, y), empty, {}, "val_data holds no samples"),
+            (px.data.DistributedLoader((x[:10], y[:10]), global_batch_size=GLOBAL_BATCH, drop_last=True), None, {},
+             "fewer samples than one global batch of 30")):
+        with pytest.raises(px.ConfigurationError, match=message):
+            px.fit(model, _optimizer(model), F.cross_entropy, train, val_data=val, epochs=1,
+                   global_batch_size=GLOBAL_BATCH, verbose=0, **extra)
+
+
 def _assert_matches_serial_loop(results: list[dict]) -> None:
     reference, losses = _serial_reference()
     for rank, result in enumerate(results):

@@ -67,8 +67,12 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     micro = _micro_batch_size(reproducible, micro_batch_size)
     _check_accumulation(accumulate_steps, reproducible)
     _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
+    _check_one_meaning(model, train_data, global_batch_size, accumulate_steps)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
     val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
+    _check_not_empty(loader, "train_data")
+    if val_loader is not None:
+        _check_not_empty(val_loader, "val_data")
     if runtime.role() == "server":
         return _serve(strategy, model, optimizer, loader, val_loader, len(resolve(metrics)))
     torch.manual_seed(mix_seed(seed, runtime.rank()))
@@ -293,6 +297,35 @@ def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
         raise ConfigurationError(
             "reproducible=True already runs every step in micro-batches of micro_batch_size samples, so its memory "
             "is that of one micro-batch: drop accumulate_steps.")
+
+
+def _check_one_meaning(model: nn.Module, train_data: Any, global_batch_size: int, accumulate_steps: int) -> None:
+    """Refuse two settings of one thing that disagree, naming both: a silent winner trains another model."""
+    if isinstance(model, DataParallel) and model.accumulate_steps > 1:
+        raise ConfigurationError(
+            f"px.DataParallel(accumulate_steps={model.accumulate_steps}) and px.fit(accumulate_steps="
+            f"{accumulate_steps}) both set gradient accumulation; px.fit accumulates itself: pass "
+            f"accumulate_steps={max(model.accumulate_steps, accumulate_steps)} to px.fit only and build "
+            "px.DataParallel without it.")
+    if isinstance(train_data, DistributedLoader) and train_data.global_batch_size != global_batch_size:
+        raise ConfigurationError(
+            f"train_data is a DistributedLoader with global_batch_size={train_data.global_batch_size}, but px.fit "
+            f"got global_batch_size={global_batch_size}; give both the same value.")
+
+
+def _check_not_empty(loader: DistributedLoader, name: str) -> None:
+    """An epoch without a step would report ``nan`` and train nothing: say so before training."""
+    try:
+        if len(loader) > 0:
+            return
+    except TypeError:  # a stream of unknown length: its first epoch will tell
+        return
+    if loader.drop_last:
+        raise ConfigurationError(
+            f"{name} has fewer samples than one global batch of {loader.global_batch_size} and its loader drops the "
+            "last partial batch (drop_last=True), so an epoch has no step: use a smaller global_batch_size or "
+            "drop_last=False.")
+    raise ConfigurationError(f"{name} holds no samples: px.fit needs at least one.")
 
 
 def _micro_batch_size(reproducible: bool, micro_batch_size: int | None) -> int | None:
