@@ -23,7 +23,8 @@ class DataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves the global average gradient in ``.grad``.
 
     Construction checks that every rank built the same model and broadcasts rank 0's parameters
-    and buffers. Gradients are fused into buckets of about ``fusion_threshold_mb`` (``0``: one
+    and buffers (in an elastic launch that waits for the elastic State's first sync, or else the
+    first training forward, so that a worker lost meanwhile is survived). Gradients are fused into buckets of about ``fusion_threshold_mb`` (``0``: one
     allreduce per tensor, ``float("inf")``: one per step, ``"auto"``: measured during the first
     steps; the first bucket of a step closes at 1 MB already) and reduced while backpropagation
     continues. Ranks are weighted by the samples they saw, so uneven shares of a global batch
