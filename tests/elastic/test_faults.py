@@ -89,7 +89,7 @@ def test_the_cases_cover_every_moment() -> None:
 @pytest.mark.parametrize("seed", range(2))
 def test_a_worker_killed_at_a_random_time_is_survived_bitwise(tmp_path: Path, seed: int) -> None:
     random.seed(f"{os.getpid()}-{time.time()}-{seed}")
-    digest, _ = run_job(tmp_path, 3, 2, kill_after=random.uniform(0.0, 6.0))
+    digest, _ = run_job(tmp_path, 3, 2, kill_after=random.uniform(0.0, 4.0))
     assert digest == uninterrupted()
 
 
