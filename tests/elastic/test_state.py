@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,16 @@ def test_save_and_load(tmp_path: Path) -> None:
     with pytest.raises(px.CheckpointError, match="was not written by"):
         torch.save({"x": 1}, tmp_path / "other.pt")
         other.load(tmp_path / "other.pt")
+
+
+def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path: Path) -> None:
+    left = tmp_path / ".c.pt.0123abcd.tmp"  # what a survivor killed while saving leaves
+    left.write_bytes(b"half a commit")
+    then = time.time() - 3600  # an hour: far longer than atomic.STALE_AFTER_S
+    os.utime(left, (then, then))
+    model, optimizer, data = setup()
+    elastic.State(model=model, optimizer=optimizer, step=0, checkpoint_path=tmp_path / "c.pt").save()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["c.pt"]
 
 
 def test_entries_and_errors() -> None:
