@@ -92,13 +92,16 @@ class LRWarmup(Callback):
 
 
 class Checkpoint(Callback):
-    """Save a resumable checkpoint every ``every_steps`` steps and/or every ``every_epochs`` epochs.
+    """Save a resumable checkpoint every ``every_steps`` steps and/or every ``every_epochs`` epochs,
+    keeping the ``keep`` newest readable ones.
 
     Every rank takes part (each contributes its random-number state); rank 0 writes the file.
     """
 
     def __init__(self, directory: str | Path, every_steps: int | None = None, every_epochs: int | None = 1,
                  keep: int = 3):
+        if keep < 1:
+            raise ConfigurationError(f"Checkpoint(keep={keep}): keep must be at least 1, the newest checkpoint.")
         self.directory, self.every_steps, self.every_epochs, self.keep = Path(directory), every_steps, every_epochs, keep
 
     def on_step_end(self, step: int, logs: dict[str, float], state: TrainState) -> None:

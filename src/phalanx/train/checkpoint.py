@@ -8,10 +8,18 @@ generator from (seed, step, rank), since per-rank streams cannot be redistribute
 
 An elastic job that fell below its minimum of workers leaves its last commit in
 ``ELASTIC_LAST`` (written by :class:`px.elastic.State`); ``restore`` takes it when it is newer.
+
+A resume takes the highest step, so a run's first save moves out of the way every checkpoint (and
+elastic commit) in the folder past the step it resumed from, all of them for a run started
+afresh: they are another run's, and a resume would take them for this one's. They go, with a
+warning, into a subfolder ``earlier-run-<time>-<random>``; nothing is deleted but by pruning.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,10 +38,12 @@ ELASTIC_LAST = "elastic-last.pt"
 
 
 def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
-    """Write a checkpoint of ``state`` into ``directory`` (collective; rank 0 writes)."""
+    """Write a checkpoint of ``state`` into ``directory`` (collective; rank 0 writes), then keep the
+    ``keep`` newest readable ones (see :func:`checkpoint_io.prune`)."""
     # Workers in lockstep save every rank's generator; asynchronous ones are reseeded on resume.
     rng_states = collectives.allgather_object(torch.get_rng_state()) if state.lockstep else None
     position = LoopPosition(state).state_dict()
+    past, state.checkpointed_step = state.checkpointed_step, state.global_step  # every rank: any may become rank 0
     if not runtime.is_master():
         return
     payload = {
@@ -46,8 +56,25 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
         "world_size": runtime.size(),
         **position,
     }
-    save_atomically(payload, checkpoint_io.checkpoint_path(directory, state.global_step))
+    _set_aside_later(Path(directory), -1 if past is None else past)
+    save_atomically(payload, checkpoint_io.checkpoint_path(directory, state.global_step), kind=checkpoint_io.KIND)
     checkpoint_io.prune(directory, keep)
+
+
+def _set_aside_later(directory: Path, past: int) -> None:
+    """Move the checkpoints and the elastic commit past step ``past`` into a new subfolder, saying so."""
+    later = [path for path in checkpoint_io.list_checkpoints(directory) if checkpoint_io.step_of(path) > past]
+    elastic = _elastic_last(directory / ELASTIC_LAST, mmap=True)
+    if elastic is not None and elastic[1]["global_step"] > past:
+        later.append(elastic[0])
+    if not later:
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"earlier-run-{time.strftime('%Y%m%d-%H%M%S')}-", dir=directory))
+    for path in later:
+        os.replace(path, aside / path.name)
+    since = "started afresh" if past < 0 else f"resumed from step {past}"
+    warnings.warn(f"phalanx: {directory} held checkpoints past this run's (it {since}), which a resume would "
+                  f"take for this run's: moved {', '.join(path.name for path in later)} to {aside}.", stacklevel=3)
 
 
 def restore(state: TrainState, directory: str | Path, weights_only: bool = True) -> Path | None:
@@ -57,6 +84,7 @@ def restore(state: TrainState, directory: str | Path, weights_only: bool = True)
     if found is None:
         return None
     path, payload = found
+    state.checkpointed_step = payload["global_step"]
     state.model.load_state_dict(payload["model"])
     state.optimizer.load_state_dict(payload["optimizer"])
     state.loader.load_state_dict(payload["loader"])
@@ -74,12 +102,13 @@ def _newest(directory: Path, weights_only: bool) -> tuple[Path, dict[str, Any]] 
     return max(found, key=lambda candidate: candidate[1]["global_step"], default=None)
 
 
-def _elastic_last(path: Path) -> tuple[Path, dict[str, Any]] | None:
-    """An elastic job's last commit, in the shape of a checkpoint (its RNG states are not kept)."""
+def _elastic_last(path: Path, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """An elastic job's last commit, in the shape of a checkpoint (its RNG states are not kept);
+    ``mmap=True`` maps its tensors instead of reading them."""
     if not path.exists():
         return None
     try:
-        objects = torch.load(path, map_location="cpu", weights_only=True)["state"]["objects"]
+        objects = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)["state"]["objects"]
         return path, {"model": objects["model"], "optimizer": objects["optimizer"], "loader": objects["loader"],
                       "exact": objects.get("exact"), "rng": None, "world_size": None, **objects["loop"]}
     except Exception as error:  # a damaged file: the regular checkpoints remain

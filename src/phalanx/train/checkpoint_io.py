@@ -3,8 +3,10 @@ newest one that loads.
 
 A checkpoint is one ``torch.save`` file named ``checkpoint-<global step>.pt``, written by
 :func:`phalanx.atomic.save_atomically` (temporary file, fsync, rename), so a crash mid-write never
-leaves a truncated file under a checkpoint's name. Loading skips (with a warning)
-any newest file that is corrupt, and falls back to the one before.
+leaves a truncated file under a checkpoint's name, and the next save removes the temporary file
+such a crash left. Loading skips (with a warning) any newest file that is corrupt, and falls back
+to the one before; pruning counts only the files that load, so the newest readable one is never
+deleted.
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, ConfigurationError
 
 _NAME = re.compile(r"checkpoint-(\d+)\.pt$")
+#: The glob of every checkpoint's name: a save removes the stale temporary files of all of them.
+KIND = "checkpoint-*.pt"
 
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
     return Path(directory) / f"checkpoint-{global_step:09d}.pt"
+
+
+def step_of(path: Path) -> int:
+    """The global step in a checkpoint's file name."""
+    return int(_NAME.search(path.name).group(1))  # type: ignore[union-attr]
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -35,10 +44,13 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def load(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
-    """Read one checkpoint; raise :class:`CheckpointError` saying why it cannot be used."""
+def load(path: str | os.PathLike, weights_only: bool = True, mmap: bool = False) -> dict[str, Any]:
+    """Read one checkpoint; raise :class:`CheckpointError` saying why it cannot be used.
+
+    ``mmap=True`` maps the tensors instead of reading them: a cheap check that the file loads.
+    """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=weights_only)
+        payload = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except Exception as error:  # torch raises many types for damaged files
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error}).") from error
     if not isinstance(payload, dict) or "model" not in payload:
@@ -62,7 +74,30 @@ def load_latest(directory: str | os.PathLike, weights_only: bool = True) -> dict
     return None if found is None else found[1]
 
 
-def prune(directory: str | os.PathLike, keep: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints."""
-    for old in list_checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Keep the ``keep`` newest checkpoints that load and delete the ones older than those; return them.
+
+    A damaged file among the kept ones does not count as kept: it is left in place, with a warning,
+    until enough readable newer ones push it out. So the newest readable checkpoint survives.
+    """
+    if keep < 1:
+        raise ConfigurationError(f"keep={keep}: keep at least the newest checkpoint (keep >= 1).")
+    kept, deleted = 0, []
+    for path in list_checkpoints(directory):
+        if kept >= keep:
+            path.unlink(missing_ok=True)
+            deleted.append(path)
+        elif _loads(path):
+            kept += 1
+    return deleted
+
+
+def _loads(path: Path) -> bool:
+    """Whether ``path`` loads; a warning says why not."""
+    try:
+        load(path, mmap=True)
+    except CheckpointError as error:
+        warnings.warn(f"phalanx: not counting a damaged checkpoint among the kept ones, leaving it. {error}",
+                      stacklevel=3)
+        return False
+    return True

@@ -60,6 +60,9 @@ class TrainState:
     exact: Any = None
     accumulate_steps: int = 1  # forward and backward passes per step, each over a chunk of the local batch
     lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
+    # The step of this run's newest checkpoint, written or resumed from (None: none yet); the
+    # checkpoint folder's files past it are another run's (see phalanx.train.checkpoint.save).
+    checkpointed_step: int | None = None
 
     @property
     def steps_per_epoch(self) -> int:
