@@ -17,6 +17,7 @@ from typing import Sequence
 
 from typing import TYPE_CHECKING
 
+from phalanx.atomic import write_text_atomically
 from phalanx.errors import ConfigurationError
 from phalanx.tune import PRUNERS, SAMPLERS
 
@@ -119,7 +120,7 @@ def _configure(namespace: argparse.Namespace,
 def _remember(directory: Path, search: "studies.Search") -> None:
     """What ``--report DIR`` needs to find the study again."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / SEARCH_FILE).write_text(json.dumps(
+    write_text_atomically(directory / SEARCH_FILE, json.dumps(
         {"storage": search.storage, "study": search.name, "metric": search.metric}, indent=2) + "\n")
 
 

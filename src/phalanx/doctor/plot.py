@@ -6,6 +6,7 @@ import importlib.util
 from collections import defaultdict
 from pathlib import Path
 
+from phalanx.atomic import write_atomically
 from phalanx.doctor.predict import Prediction
 
 
@@ -46,5 +47,5 @@ def write(predictions: list[Prediction], path: str | Path, title: str) -> None:
     speed.legend(fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    write_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
     pyplot.close(figure)

@@ -24,6 +24,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from phalanx import profile
+from phalanx.atomic import write_text_atomically
 from phalanx.comm import runtime
 from phalanx.doctor.calibrate import measure_transport
 from phalanx.doctor.probe import Probe
@@ -86,8 +87,7 @@ class Session:
                           transport="shm" if runtime.shm_executor() is not None else "gloo")
             if complete and runtime.size() > 1:
                 record["transport_figures"] = measure_transport(self._bucket_bytes())
-        path = self.out / f"rank-{record['rank']}.json"
-        path.write_text(json.dumps(record))
+        write_text_atomically(self.out / f"rank-{record['rank']}.json", json.dumps(record))  # whole or absent
         if complete:
             sys.stdout.flush()
             sys.stderr.flush()

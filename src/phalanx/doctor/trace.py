@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from phalanx.atomic import write_text_atomically
+
 Event = tuple[str, float, dict[str, float]]
 
 
@@ -29,7 +31,7 @@ def chrome_trace(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write(records: list[dict[str, Any]], path: str | Path) -> None:
     """Write :func:`chrome_trace` to ``path``."""
-    Path(path).write_text(json.dumps(chrome_trace(records)))
+    write_text_atomically(path, json.dumps(chrome_trace(records)))
 
 
 def _measured(events: list[Event], warmup: int) -> list[Event]:

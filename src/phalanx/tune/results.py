@@ -8,6 +8,7 @@ trial) and ``learning_curves.png`` (every trial's reported metric by step), draw
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from phalanx.atomic import write_atomically, write_text_atomically
 from phalanx.tune.study import ERROR_ATTR, counted
 from phalanx.tune.trial import CURVE_ATTR
 
@@ -30,15 +32,17 @@ def write(study: optuna.Study, directory: Path, metric: str) -> list[str]:
 
 
 def _write_csv(trials: list[FrozenTrial], names: list[str], directory: Path) -> None:
-    with open(directory / "trials.csv", "w", newline="") as out:
-        writer = csv.writer(out)
-        writer.writerow(["number", "state", "value", *names, "duration_s", "log", "error"])
-        for trial in trials:
-            writer.writerow([trial.number, trial.state.name, "" if trial.value is None else trial.value,
-                             *(trial.params.get(name, "") for name in names), f"{_duration(trial):.2f}",
-                             directory / "trials" / f"{trial.number:04d}" / "log.txt",
-                             trial.system_attrs.get(ERROR_ATTR, "").splitlines()[0] if ERROR_ATTR in trial.system_attrs
-                             else ""])
+    """``trials.csv``, replaced whole: a search killed while writing it leaves the previous one."""
+    out = io.StringIO(newline="")
+    writer = csv.writer(out)
+    writer.writerow(["number", "state", "value", *names, "duration_s", "log", "error"])
+    for trial in trials:
+        writer.writerow([trial.number, trial.state.name, "" if trial.value is None else trial.value,
+                         *(trial.params.get(name, "") for name in names), f"{_duration(trial):.2f}",
+                         directory / "trials" / f"{trial.number:04d}" / "log.txt",
+                         trial.system_attrs.get(ERROR_ATTR, "").splitlines()[0] if ERROR_ATTR in trial.system_attrs
+                         else ""])
+    write_text_atomically(directory / "trials.csv", out.getvalue())
 
 
 def _summary(study: optuna.Study, trials: list[FrozenTrial], metric: str, directory: Path) -> list[str]:
@@ -109,7 +113,7 @@ def _save(figure: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    write_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
     plt.close(figure)
 
 
