@@ -112,8 +112,8 @@ class DistributedLoader:
         self._finished = False
         self._active: weakref.ref | None = None
         self._plan: tuple[int, list[torch.Tensor]] | None = None  # batch_at's epoch plan
-        self._check_same_data = bool(check_same_data)
-        self._data_check_pending = self._check_same_data and _shards_the_job(self.rank, self.world_size)
+        self._compares_data = bool(check_same_data)
+        self._data_check_pending = self._compares_data and _shards_the_job(self.rank, self.world_size)
 
     # ----------------------------------------------------------------- sizes and position
 
@@ -190,7 +190,7 @@ class DistributedLoader:
         self.close()
         self.rank, self.world_size = int(rank), int(world_size)
         # Checked again in the new group, by every member alike (some may have finished the old check).
-        self._data_check_pending = self._check_same_data and _shards_the_job(self.rank, self.world_size)
+        self._data_check_pending = self._compares_data and _shards_the_job(self.rank, self.world_size)
 
     # ------------------------------------------------------------------------ iteration
 
