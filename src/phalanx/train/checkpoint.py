@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from phalanx import faults
 from phalanx.atomic import save_atomically
 from phalanx.comm import collectives, runtime
 from phalanx.sharding import mix_seed
@@ -56,6 +57,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
         "world_size": runtime.size(),
         **position,
     }
+    faults.point("checkpoint.write")
     _set_aside_later(Path(directory), -1 if past is None else past)
     save_atomically(payload, checkpoint_io.checkpoint_path(directory, state.global_step), kind=checkpoint_io.KIND)
     checkpoint_io.prune(directory, keep)
