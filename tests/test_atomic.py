@@ -69,6 +69,7 @@ def test_a_dead_writers_temporary_file_goes_at_the_next_write_a_live_ones_stays(
 
     writer.send_signal(signal.SIGKILL)
     writer.wait(timeout=30)
+    _age(temporary, 2 * atomic.UNLOCKED_FOR_S)  # a restart seconds later: the lock, gone, says enough
     with caplog.at_level(logging.INFO, logger="phalanx.atomic"):
         atomic.save_atomically({"x": 3}, tmp_path / "state.pt")
     assert not temporary.exists(), "the temporary file of a killed writer outlived the next save"
@@ -81,9 +82,20 @@ def test_a_recent_temporary_file_stays_and_the_same_name_is_the_default_kind(tmp
     recent, old = tmp_path / ".state.pt.00000001.tmp", tmp_path / ".state.pt.00000002.tmp"
     for path in (recent, old):
         path.write_bytes(b"half")
-    _age(old, AN_HOUR)
+    _age(old, 2 * atomic.UNLOCKED_FOR_S)
     atomic.save_atomically({"x": 1}, tmp_path / "state.pt")
     assert _temporaries(tmp_path) == [recent.name]
+
+
+def test_where_locks_do_not_work_only_an_old_temporary_file_goes(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atomic, "_try_lock", lambda handle: None)
+    minutes, hour = tmp_path / ".state.pt.00000001.tmp", tmp_path / ".state.pt.00000002.tmp"
+    for path, seconds in ((minutes, atomic.STALE_AFTER_S / 2), (hour, AN_HOUR)):
+        path.write_bytes(b"half")
+        _age(path, seconds)
+    atomic.save_atomically({"x": 1}, tmp_path / "state.pt")
+    assert _temporaries(tmp_path) == [minutes.name]
 
 
 def test_a_failed_write_keeps_the_previous_file_and_leaves_no_temporary(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ of them may import the others.
 A writer that dies mid-write (a SIGKILL, a power loss) leaves its temporary file behind. Every
 write first removes the stale temporary files of its own kind (the same target name, or the
 pattern of names it is given): those that no live writer holds locked and that nobody has
-touched for :data:`STALE_AFTER_S` seconds. The age spares a writer that has just created its
-file, and decides alone on file systems without locks, where another host may write the same
-folder.
+touched for :data:`UNLOCKED_FOR_S` seconds (which spares a writer between creating its file and
+locking it). On file systems without locks, where another host may write the same folder, the
+age alone decides: :data:`STALE_AFTER_S`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ except ImportError:  # Windows: no advisory locks, the age alone decides
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a temporary file must have gone untouched before a later write may remove it.
+#: Seconds an unlocked temporary file must have gone untouched before a later write removes it.
+UNLOCKED_FOR_S = 2.0
+#: The same where locks do not work, so that only the age can tell a dead writer from a live one.
 STALE_AFTER_S = 60.0
 
 
@@ -85,12 +87,14 @@ def _remove_stale_temporaries(folder: Path, kind: str) -> None:
 
 
 def _remove_if_stale(temporary: Path) -> bool:
-    """Unlink ``temporary`` when it is old and no live writer holds it; whether it was."""
+    """Unlink ``temporary`` when no live writer holds it and it is old enough; whether it was."""
     try:
-        if time.time() - temporary.stat().st_mtime < STALE_AFTER_S:
+        age = time.time() - temporary.stat().st_mtime
+        if age < UNLOCKED_FOR_S:
             return False
         with open(temporary, "rb+") as handle:  # writable: NFS locks exclusively only what it may write
-            if not _try_lock(handle):
+            locked = _try_lock(handle)
+            if locked is False or (locked is None and age < STALE_AFTER_S):
                 return False
             temporary.unlink()
             return True
@@ -107,16 +111,17 @@ def _lock(handle: BinaryIO) -> None:
             pass
 
 
-def _try_lock(handle: BinaryIO) -> bool:
-    """False when another process holds ``handle``'s file locked: its writer is alive."""
+def _try_lock(handle: BinaryIO) -> bool | None:
+    """True when this process got ``handle``'s file locked (no writer holds it), False when another
+    process holds it (its writer is alive), None where the file system has no locks."""
     if fcntl is None:
-        return True
+        return None
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
-    except OSError:  # no locks on this file system: the age alone decides
-        return True
+    except OSError:
+        return None
     return True
 
 
