@@ -39,7 +39,8 @@ MOMENTS = (
     "epoch.end",        # an epoch's callbacks done, before its commit
     "train.end",        # px.fit's last commit done, before its end-of-training callbacks
     "reform.request",   # a survivor asked the coordinator for a place in the next generation
-    "reform.group",     # the next generation's members are forming its process group
+    "reform.group",     # the coordinator answered: the next generation's members gather
+    "reform.connect",   # every member of the next generation arrived: its process group forms
 )
 
 _plan: dict[str, int] | None = None  # moment -> the count at which this process dies

@@ -8,6 +8,7 @@ random delay from the launch instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -22,23 +23,19 @@ from phalanx.errors import ConfigurationError
 from tests.elastic import fit_job
 from tests.elastic.launch import launched
 
-# (faults, workers, min workers): every moment, each with the worker most at risk there.
+# (faults, workers, min workers). Every moment, each with the worker most at risk there; to keep
+# the suite short a job loses one worker early and another later (3 workers, down to 1).
 CASES = [
-    ("init.done@2", 3, 2),
-    ("fit.setup@1", 3, 2),
-    ("state.sync@0", 3, 2),           # the root of the initial broadcast
-    ("fit.resume@0", 3, 2),           # the rank that reads the checkpoint folder
-    ("loader.check@2", 3, 2),
-    ("step.forward@1", 3, 2),         # the first step
-    ("step.reduce@2", 3, 2),
-    ("step.end@1#5", 3, 2),
-    ("validation@2", 3, 2),
-    ("checkpoint.write@0", 3, 2),     # rank 0 writes
-    ("epoch.end@1#3", 3, 2),          # the last epoch's end
-    ("train.end@2", 3, 2),
-    # a second death while the survivors re-form, down to the minimum
+    ("init.done@2,validation@1", 3, 1),
+    ("fit.setup@1,checkpoint.write@0", 3, 1),   # rank 0 writes
+    ("state.sync@0,step.end@1#5", 3, 1),        # the root of the initial broadcast
+    ("fit.resume@0,epoch.end@1#3", 3, 1),       # the rank that reads the checkpoint folder; the last epoch's end
+    ("loader.check@2,train.end@1", 3, 1),
+    ("step.forward@1,step.reduce@2#12", 3, 1),  # the first step; buckets in flight in the second epoch
+    # a second death while the survivors re-form
     ("step.end@2#4,reform.request@1", 3, 1),
     ("step.end@2#4,reform.group@1", 3, 1),
+    ("step.end@2#4,reform.connect@1", 3, 1),
     ("step.end@2#4,state.sync@0#2", 3, 1),
 ]
 
@@ -69,7 +66,7 @@ def _kill_one_after(job, workers: int, delay: float) -> None:
     victim = random.randrange(workers)
     pid = job.worker_pid(victim, timeout=60)  # written right after px.init()
     time.sleep(max(0.0, delay))
-    if job.process.poll() is None:
+    with contextlib.suppress(ProcessLookupError):  # it may have finished already
         os.kill(pid, signal.SIGKILL)
 
 
@@ -89,7 +86,7 @@ def test_the_cases_cover_every_moment() -> None:
 @pytest.mark.parametrize("seed", range(2))
 def test_a_worker_killed_at_a_random_time_is_survived_bitwise(tmp_path: Path, seed: int) -> None:
     random.seed(f"{os.getpid()}-{time.time()}-{seed}")
-    digest, _ = run_job(tmp_path, 3, 2, kill_after=random.uniform(0.0, 4.0))
+    digest, _ = run_job(tmp_path, 3, 2, kill_after=random.uniform(0.0, 2.5))
     assert digest == uninterrupted()
 
 

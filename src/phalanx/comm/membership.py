@@ -109,6 +109,7 @@ class ElasticClient:
         self._lock = threading.Lock()
         self._generation = -1
         self._sockets: dict[str, int] = {}
+        self._forming_since: dict[str, int] | None = None
         self._aborted = -1
         self._stop = threading.Event()
         self._watch_store = store.clone()  # a connection of its own: stores are not shared across threads
@@ -135,10 +136,11 @@ class ElasticClient:
                 "is still running."
             ) from error
 
-    def track(self, generation: int, sockets: dict[str, int]) -> None:
-        """Remember the generation this worker is in now, and its group's connections."""
+    def track(self, generation: int, sockets: dict[str, int], forming_since: dict[str, int] | None = None) -> None:
+        """Remember the generation this worker is in now, and its group's connections; while the
+        group forms (``forming_since``: the sockets open before), every connection opened since."""
         with self._lock:
-            self._generation, self._sockets = generation, sockets
+            self._generation, self._sockets, self._forming_since = generation, sockets, forming_since
 
     def abort(self, generation: int) -> None:
         """Shut down the connections of ``generation`` if it is the current one (once)."""
@@ -146,7 +148,9 @@ class ElasticClient:
             if generation < 0 or generation != self._generation or self._aborted == generation:
                 return
             self._aborted = generation
-            shutdown_sockets(self._sockets)
+            since = self._forming_since
+            shutdown_sockets(self._sockets if since is None else
+                             {inode: fd for inode, fd in socket_inodes().items() if inode not in since})
 
     def _watch(self) -> None:
         last_beat = 0.0

@@ -37,7 +37,7 @@ from phalanx.comm.membership import (
     shutdown_sockets,
     socket_inodes,
 )
-from phalanx.errors import CollectiveTimeoutError, ConfigurationError
+from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "PHALANX_TIMEOUT"
@@ -375,28 +375,33 @@ def _connect_store(info: LaunchInfo, timeout_s: float) -> Any:
 
 
 def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device,
-                  store: Any = None, generation: int = 0, transport: str = "auto") -> _Runtime:
+                  store: Any = None, generation: int = 0, transport: str = "auto", rendezvous: Any = None) -> _Runtime:
+    """Form the default group (and the transport's) over ``store``, or over ``rendezvous``, a
+    connection of its own that an elastic watchdog may cut when a member is lost meanwhile."""
     if info.master_addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = _connect_store(info, timeout_s) if store is None else store
+    rendezvous = store if rendezvous is None else rendezvous
     timeout_delta = datetime.timedelta(seconds=timeout_s)
     before = socket_inodes()
     try:
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(_prefix(generation), store),
+            store=dist.PrefixStore(_prefix(generation), rendezvous),
             rank=info.rank,
             world_size=info.world_size,
             timeout=timeout_delta,
             device_id=device if backend == "nccl" else None,
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout_delta) if backend == "nccl" else dist.group.WORLD
+        executor = _open_shm(info, rendezvous, generation, transport, backend, timeout_s)
+    except PhalanxError:
+        raise
     except (RuntimeError, OSError) as error:
         raise CollectiveTimeoutError(
             f"rendezvous on rank {info.rank} failed: not all {info.world_size} workers joined within "
             f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
         ) from error
-    executor = _open_shm(info, store, generation, transport, backend, timeout_s)
     sockets = _sockets_since(before)  # cross-host groups too
     return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
                     sockets=sockets, transport=transport, shm=executor)
@@ -624,8 +629,12 @@ def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: flo
         _elastic.track(generation, {})
         return _Runtime(placed, timeout_s, backend, device, store=store, generation=generation, membership=view,
                         transport=transport)
+    if generation > 0:
+        faults.point("reform.connect")
+    _elastic.track(generation, {}, forming_since=socket_inodes())
+    forming = store.clone()  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
     runtime = _create_group(placed, timeout_s, backend, device, store=store, generation=generation,
-                            transport=transport)
+                            transport=transport, rendezvous=forming)
     _elastic.track(generation, runtime.sockets if backend == "gloo" else {})
     return dataclasses.replace(runtime, membership=view)
 

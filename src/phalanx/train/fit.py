@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from phalanx import elastic, faults, tune
-from phalanx.comm import runtime
+from phalanx.comm import collectives, runtime
 from phalanx.data import DistributedLoader
 from phalanx.sharding import mix_seed
 from phalanx.errors import ConfigurationError
@@ -222,6 +222,9 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
             hooks.on_train_begin(state)
             begun = True
         _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, carried.commit)
+        # Members leave together: one lost after its peers' last commit makes them re-form, so that
+        # every survivor returns in the same group (one of them rank 0) rather than in a broken one.
+        collectives.barrier()
 
     elastic.run(train)(carried)
 
