@@ -1,10 +1,14 @@
 """Collective operations over all workers, with cross-rank checks and async handles.
 
-Every tensor operation first compares a small metadata record (operation, dtype, shape) across
-ranks, so that a mismatch raises :class:`CollectiveMismatchError` on *every* rank instead of
-hanging or silently producing garbage. ``check=False`` skips that round trip for hot paths that
-plan their own buffers; ``barrier``, the object collectives and ``broadcast_tensors_`` compare
-nothing. Failures of peers surface as :class:`CollectiveTimeoutError` naming the operation.
+Every tensor operation first compares a small metadata record (operation, dtype, shape, and
+whether this rank's arguments are valid) across ranks, so that a mismatch raises
+:class:`CollectiveMismatchError`, and an invalid argument or a dtype the operation cannot handle
+:class:`ConfigurationError`, on *every* rank before anything else is exchanged, instead of one rank
+raising while the others hang or go on out of step. ``check=False`` skips that round trip for hot
+paths that plan their own buffers (then each rank validates alone); ``barrier``, the object
+collectives and ``broadcast_tensors_`` compare nothing. Any dtype, layout, and tensors that need
+grad are handled alike on every transport (see :mod:`phalanx.comm.wire`). Failures of peers
+surface as :class:`CollectiveTimeoutError` naming the operation.
 At world size 1 every operation completes at once without communication.
 Each is typed by ``async_op``: the default gives the result, ``async_op=True`` a :class:`Handle` of it.
 """
@@ -20,7 +24,7 @@ from typing import Any, Callable, Generic, Iterator, Literal, Sequence, TypeVar,
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import algorithms, cost, runtime, shm
+from phalanx.comm import algorithms, cost, runtime, shm, wire
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.errors import (
     CollectiveError,
@@ -40,11 +44,14 @@ _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
 )
+_DTYPES += tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)} - set(_DTYPES), key=str))
+_DTYPE_INDEX = {dtype: index for index, dtype in enumerate(_DTYPES)}  # every dtype: each has its own code
 # Newer torch renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _MAX_DIMS = 12
-_RECORD_LEN = 4 + _MAX_DIMS  # operation, dtype, op/root, ndim, shape...
+_OP, _DTYPE, _DETAIL, _PROBLEM, _NDIM, _SHAPE = range(6)  # a record's fields: op/root in detail, shape last
+_RECORD_LEN = _SHAPE + _MAX_DIMS
 
 
 class Handle(Generic[T]):
@@ -162,10 +169,9 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
     of their own, so ``async_op`` overlaps them), or ``"auto"``: shared memory where it is in use,
     else the algorithm the alpha-beta model of :mod:`phalanx.comm.cost` predicts fastest. In a
     hierarchical allreduce (shared memory on several hosts) it names how each slice crosses hosts.
+    A tensor that needs grad is reduced detached (as by ``torch.distributed``): the result does not.
     """
-    if _scope.get() is not None:
-        return _allreduce_in_scope(tensor.clone(), op, async_op, check)
-    return _allreduce_into(tensor.clone(), op, async_op, check, algorithm)
+    return _allreduce(tensor, op, async_op, check, algorithm, in_place=False)
 
 
 @overload
@@ -177,18 +183,55 @@ def allreduce_(tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
 def allreduce_(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
     """Like :func:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
-    if _scope.get() is not None:
-        return _allreduce_in_scope(tensor, op, async_op, check)
-    return _allreduce_into(tensor, op, async_op, check, algorithm)
+    return _allreduce(tensor, op, async_op, check, algorithm, in_place=True)
 
 
-def _allreduce_in_scope(tensor: torch.Tensor, op: str, async_op: bool,
-                        check: bool) -> torch.Tensor | Handle[torch.Tensor]:
-    """The allreduce of a :func:`within` scope: the backend's, over the scope's group."""
-    reduce_op = _reduce_op(op, tensor)
-    if check:
-        _check("allreduce", tensor, REDUCE_OPS_INDEX[op])
-    return _backend_allreduce(tensor, reduce_op, _averaging(op, tensor), async_op)
+def _allreduce(tensor: torch.Tensor, op: str, async_op: bool, check: bool, algorithm: str,
+               in_place: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    """Agree on the call, then reduce ``tensor`` itself (``in_place``) or a copy. In a :func:`within`
+    scope it is the backend's allreduce over the scope's group, whatever ``algorithm`` says."""
+    scoped = _scope.get() is not None
+    detail = _op_code(op) + (0 if scoped else len(REDUCE_OPS) * _code(ALLREDUCE_ALGORITHMS, algorithm))
+    _agree("allreduce", tensor, detail, _problem(tensor, op=op, algorithm=None if scoped else algorithm), check)
+    plan = wire.reduction(tensor.dtype, op, "allreduce")
+    work = _detached(tensor) if in_place else _copy(tensor)
+    finish = _finisher(plan, work, tensor if in_place else work)
+    if scoped:
+        return _backend_allreduce(plan.encode(work), plan.op, finish, async_op)
+    return _allreduce_routed(plan.encode(work), plan.op, algorithm, finish, async_op)
+
+
+def _allreduce_routed(data: torch.Tensor, op: str, algorithm: str, finish: Callable[[torch.Tensor], T],
+                      async_op: bool) -> T | Handle[T]:
+    """The allreduce of ``data`` through whatever :func:`_route` chooses for ``algorithm``, then ``finish``."""
+    if data.is_cuda and algorithm in algorithms.ALGORITHMS:
+        raise ConfigurationError(f"algorithm={algorithm!r} reduces CPU tensors; for CUDA tensors NCCL chooses its "
+                                 "own algorithm: use algorithm='backend' or 'auto'.")
+    executor, algorithm = _route(algorithm, data)
+    if executor is None:
+        return _backend_allreduce(data, op, finish, async_op)
+    return _through(executor, data, op, algorithm, finish, async_op)
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory, writable in place even where it needs grad (as ``torch.distributed`` does)."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` that does not need grad: what the copying collectives work on."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _finisher(plan: wire.Reduction, work: torch.Tensor, result: T) -> Callable[[torch.Tensor], T]:
+    """What turns the reduced tensor that travelled into the caller's ``result``: averaged for
+    "avg", and written back into ``work`` where it was a converted copy."""
+    scale = _averaging(plan.op)
+
+    def finish(reduced: torch.Tensor) -> T:
+        plan.decode(scale(reduced), work)
+        return result
+    return finish
 
 
 @overload
@@ -199,8 +242,8 @@ def broadcast(tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True],
               check: bool = ...) -> Handle[torch.Tensor]: ...
 def broadcast(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False,
               check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
-    """Return a copy of ``root``'s tensor on every rank."""
-    return _broadcast_into(tensor.clone(), root, async_op, check)
+    """Return a copy of ``root``'s tensor on every rank (contiguous, not needing grad)."""
+    return _broadcast(tensor, root, async_op, check, in_place=False)
 
 
 @overload
@@ -212,7 +255,7 @@ def broadcast_(tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True]
 def broadcast_(tensor: torch.Tensor, root: int = 0, *, async_op: bool = False,
                check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
     """Overwrite ``tensor`` in place with ``root``'s tensor; return it."""
-    return _broadcast_into(tensor, root, async_op, check)
+    return _broadcast(tensor, root, async_op, check, in_place=True)
 
 
 def broadcast_tensors_(tensors: Sequence[torch.Tensor], root: int = 0) -> None:
@@ -252,35 +295,30 @@ def reduce(tensor: torch.Tensor, root: int = ..., op: str = ..., *, async_op: Li
 def reduce(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
            check: bool = True) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     """Reduce ``tensor`` over all ranks onto ``root``. Returns the result on root, ``None`` elsewhere."""
-    _check_root(root)
-    reduce_op = _reduce_op(op, tensor)
-    if check:
-        _check("reduce", tensor, root * len(REDUCE_OPS) + REDUCE_OPS_INDEX[op])
-    return _reduce_into(tensor.clone(), root, reduce_op, op, async_op)
+    return _reduce(tensor, root, op, async_op, check, in_place=False)
 
 
 def reduce_(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
             check: bool = True) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     """Like :func:`reduce`, but in place: root's ``tensor`` receives the result (and is returned);
     elsewhere ``tensor`` is left unspecified and ``None`` is returned. Saves a copy of the tensor."""
-    _check_root(root)
-    reduce_op = _reduce_op(op, tensor)
-    if check:
-        _check("reduce", tensor, root * len(REDUCE_OPS) + REDUCE_OPS_INDEX[op])
-    return _reduce_into(tensor, root, reduce_op, op, async_op)
+    return _reduce(tensor, root, op, async_op, check, in_place=True)
 
 
-def _reduce_into(result: torch.Tensor, root: int, reduce_op: Any, op: str,
-                 async_op: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
-    scale = _averaging(op, result)
-    is_root = _rank() == root
+def _reduce(tensor: torch.Tensor, root: int, op: str, async_op: bool, check: bool,
+            in_place: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
+    """Agree on the call, then reduce ``tensor`` itself (``in_place``) or a copy onto ``root``."""
+    _agree("reduce", tensor, root * len(REDUCE_OPS) + _op_code(op), _problem(tensor, op=op, root=root), check)
+    plan = wire.reduction(tensor.dtype, op, "reduce")
+    work = _detached(tensor) if in_place else _copy(tensor)
+    finish = _finisher(plan, work, (tensor if in_place else work) if _rank() == root else None)
+    data = plan.encode(work)
     shared = _one_host_executor()
-    if shared is not None and not result.is_cuda:  # every rank gets the sum: as cheap as the reduction
-        summed = _through(shared, result, op, "backend", scale, True, name="reduce")
-        return _then(summed, lambda total: total if is_root else None, async_op)
-    return _launch("reduce", lambda: dist.reduce(result, _global_rank(root), reduce_op, group=_group(result),
+    if shared is not None and not data.is_cuda:  # every rank gets the sum: as cheap as the reduction
+        return _through(shared, data, plan.op, "backend", finish, async_op, name="reduce")
+    return _launch("reduce", lambda: dist.reduce(data, _global_rank(root), REDUCE_OPS[plan.op], group=_group(data),
                                                  async_op=True),
-                   lambda: scale(result) if is_root else None, async_op)
+                   lambda: finish(data), async_op)
 
 
 @overload
@@ -289,19 +327,22 @@ def allgather(tensor: torch.Tensor, *, async_op: Literal[False] = ..., check: bo
 def allgather(tensor: torch.Tensor, *, async_op: Literal[True], check: bool = ...) -> Handle[torch.Tensor]: ...
 def allgather(tensor: torch.Tensor, *, async_op: bool = False,
               check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
-    """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ."""
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
+    """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ.
+
+    A 0-dim tensor counts as one row. The rows travel as bytes, so any dtype but quantized ones can.
+    """
+    tensor = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    rows = _gather_records("allgather", tensor, 0, _problem(tensor))  # always: the lengths are needed
+    _compare(rows, "allgather", ignore_first_dim=True, problems_only=not check)
+    wire.check_movable(tensor.dtype, "allgather")
+    lengths = [row[_SHAPE] for row in rows]
+    shape = (sum(lengths), *tensor.shape[1:])
+    data = wire.to_bytes(tensor, copy=_size() == 1)
     if _size() == 1:
-        return _done(tensor.clone(), async_op)
-    rows = _gather_records("allgather", tensor)
-    if check:
-        _compare(rows, "allgather", tensor, ignore_first_dim=True)
-    lengths = [int(row[4]) for row in rows]
-    longest = max(lengths)
-    padded = _pad_rows(tensor, longest)
+        return _done(wire.from_bytes(data, tensor.dtype, shape), async_op)
+    padded = _pad_rows(data, max(lengths))
     pieces = [torch.empty_like(padded) for _ in lengths]
-    finish = lambda: torch.cat([piece[:n] for piece, n in zip(pieces, lengths)])  # noqa: E731
+    finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
     return _launch("allgather", lambda: dist.all_gather(pieces, padded, group=_group(tensor), async_op=True),
                    finish, async_op)
 
@@ -318,20 +359,23 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", *, async_op: bool = Fa
 
     Chunks follow ``torch.tensor_split``: when dim 0 is not divisible, the first chunks are one longer.
     """
-    reduce_op = _reduce_op(op, tensor)
-    if check:
-        _check("reduce_scatter", tensor, REDUCE_OPS_INDEX[op])
-    chunks = [chunk.contiguous() for chunk in torch.tensor_split(tensor, _size())]
-    output = torch.empty_like(chunks[_rank()])
-    scale = _averaging(op, output)
+    _agree("reduce_scatter", tensor, _op_code(op), _problem(tensor, op=op), check)
+    plan = wire.reduction(tensor.dtype, op, "reduce_scatter")
+    _refuse_scalar(tensor, "reduce_scatter", "to split among the ranks")
+    output = torch.empty_like(torch.tensor_split(tensor.detach(), _size())[_rank()],
+                              memory_format=torch.contiguous_format)
+    data = plan.encode(tensor.detach())  # the input is only read
+    chunks = torch.tensor_split(data, _size())  # contiguous: rows of a contiguous tensor
+    received = torch.empty_like(chunks[_rank()])
+    finish = _finisher(plan, output, output)
     if _size() == 1:
-        return _done(scale(output.copy_(chunks[0])), async_op)
-    if all(chunk.shape == output.shape for chunk in chunks):
-        start = lambda: _reduce_scatter_single(output, tensor.contiguous(), reduce_op,  # noqa: E731
-                                                    group=_group(tensor), async_op=True)
+        return _done(finish(received.copy_(chunks[0])), async_op)
+    reduce_op = REDUCE_OPS[plan.op]
+    if all(chunk.shape == received.shape for chunk in chunks):
+        start = lambda: _reduce_scatter_single(received, data, reduce_op, group=_group(data), async_op=True)  # noqa: E731
     else:
-        start = lambda: dist.reduce_scatter(output, chunks, reduce_op, group=_group(tensor), async_op=True)  # noqa: E731
-    return _launch("reduce_scatter", start, lambda: scale(output), async_op)
+        start = lambda: dist.reduce_scatter(received, list(chunks), reduce_op, group=_group(data), async_op=True)  # noqa: E731
+    return _launch("reduce_scatter", start, lambda: finish(received), async_op)
 
 
 @overload
@@ -345,21 +389,25 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async
     """Send ``splits[r]`` rows of ``tensor`` (in order) to rank ``r``; return what all ranks sent here.
 
     Without ``splits`` dim 0 is divided equally. Received pieces are concatenated in rank order.
+    The rows travel as bytes, so any dtype but quantized ones can.
     """
     world = _size()
-    splits = _alltoall_splits(tensor, splits, world)
-    sent = torch.tensor(splits, dtype=torch.int64)
-    if check:
-        _check("alltoall", tensor, 0, ignore_first_dim=True)
+    counts = _alltoall_splits(tensor, splits, world)
+    _agree("alltoall", tensor, 0, _BAD_SPLITS if counts is None else _problem(tensor), check, ignore_first_dim=True)
+    wire.check_movable(tensor.dtype, "alltoall")
+    _refuse_scalar(tensor, "alltoall", "whose rows to send")
+    data = wire.to_bytes(tensor.detach(), copy=world == 1)
     if world == 1:
-        return _done(tensor.clone(), async_op)
+        return _done(wire.from_bytes(data, tensor.dtype, tensor.shape), async_op)
+    sent = torch.tensor(counts, dtype=torch.int64)
     received = torch.empty_like(sent)
     with translate_errors("alltoall"):
         dist.all_to_all_single(received, sent, group=_group(None))
-    output = tensor.new_empty((int(received.sum()), *tensor.shape[1:]))
+    output = data.new_empty((int(received.sum()), data.shape[1]))
+    shape = (output.shape[0], *tensor.shape[1:])
     return _launch("alltoall", lambda: dist.all_to_all_single(
-        output, tensor.contiguous(), received.tolist(), splits, group=_group(tensor), async_op=True),
-        lambda: output, async_op)
+        output, data, received.tolist(), counts, group=_group(data), async_op=True),
+        lambda: wire.from_bytes(output, tensor.dtype, shape), async_op)
 
 
 @overload
@@ -382,12 +430,18 @@ def broadcast_object(obj: Any = ..., root: int = ..., *, async_op: Literal[False
 @overload
 def broadcast_object(obj: Any = ..., root: int = ..., *, async_op: Literal[True]) -> Handle[Any]: ...
 def broadcast_object(obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
-    """Return ``root``'s picklable object on every rank (peers are trusted: it is unpickled)."""
+    """Return ``root``'s picklable object on every rank (peers are trusted: it is unpickled).
+
+    An object the root cannot pickle raises :class:`ConfigurationError` on every rank.
+    """
     _check_root(root)
     if _size() == 1:
         return _done(obj, async_op)
-    payload = _to_bytes(obj) if _rank() == root else torch.empty(0, dtype=torch.uint8)
-    length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root, check=False)
+    payload, error = _pickled(obj) if _rank() == root else (torch.empty(0, dtype=torch.uint8), None)
+    length = broadcast_(torch.tensor([-1 if error else payload.numel()], dtype=torch.int64), root, check=False)
+    if int(length) < 0:
+        raise ConfigurationError(f"broadcast_object: the root, rank {root}, could not pickle its object (its "
+                                 "traceback says why). Every rank raises this error.") from error
     if _rank() != root:
         payload = torch.empty(int(length), dtype=torch.uint8)
     handle = broadcast_(payload, root, async_op=True, check=False)
@@ -399,11 +453,18 @@ def allgather_object(obj: Any, *, async_op: Literal[False] = ...) -> list[Any]: 
 @overload
 def allgather_object(obj: Any, *, async_op: Literal[True]) -> Handle[list[Any]]: ...
 def allgather_object(obj: Any, *, async_op: bool = False) -> list[Any] | Handle[list[Any]]:
-    """Return the list of every rank's picklable object, in rank order."""
+    """Return the list of every rank's picklable object, in rank order.
+
+    An object some rank cannot pickle raises :class:`ConfigurationError` on every rank.
+    """
     if _size() == 1:
         return _done([obj], async_op)
-    payload = _to_bytes(obj)
-    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64), check=False).tolist()
+    payload, error = _pickled(obj)
+    lengths = allgather(torch.tensor([-1 if error else payload.numel()], dtype=torch.int64), check=False).tolist()
+    failed = [rank for rank, length in enumerate(lengths) if length < 0]
+    if failed:
+        raise ConfigurationError(f"allgather_object: rank(s) {failed} could not pickle their object (their "
+                                 "traceback says why). Every rank raises this error.") from error
     handle = allgather(payload, async_op=True, check=False)
     return _then(handle, lambda flat: [_from_bytes(piece) for piece in torch.split(flat, lengths)], async_op)
 
@@ -427,49 +488,33 @@ def join() -> int:
     while True:
         rows = _gather_records("join", marker, first)
         first = 0
-        active = [row for row in rows if row[0] != _JOIN]
+        active = [row for row in rows if row[_OP] != _JOIN]
         if not active:
-            return max(r for r, row in enumerate(rows) if row[2] == 1)
-        other = next((row[0] for row in active if row[0] != _OPERATIONS.index("allreduce")), None)
+            return max(r for r, row in enumerate(rows) if row[_DETAIL] == 1)
+        other = next((row[_OP] for row in active if row[_OP] != _OPERATIONS.index("allreduce")), None)
         if other is not None:
             _raise_joined(rows, _OPERATIONS[other])
+        _compare(rows, "allreduce", ignore_first_dim=False)  # what the ranks still running raise, if anything
         row = active[0]
-        op = list(REDUCE_OPS)[row[2] % len(REDUCE_OPS)]
-        algorithm = ALLREDUCE_ALGORITHMS[row[2] // len(REDUCE_OPS)]
-        zeros = torch.zeros(row[4 : 4 + row[3]], dtype=_DTYPES[row[1]], device=runtime.device())
+        op = list(REDUCE_OPS)[row[_DETAIL] % len(REDUCE_OPS)]
+        algorithm = ALLREDUCE_ALGORITHMS[row[_DETAIL] // len(REDUCE_OPS)]
+        zeros = torch.zeros(_shape(row), dtype=_DTYPES[row[_DTYPE]], device=runtime.device())
         allreduce_(zeros, op, check=False, algorithm=algorithm)
 
 
 def _raise_joined(rows: list[list[int]], operation: str) -> None:
-    joined = [r for r, row in enumerate(rows) if row[0] == _JOIN]
+    joined = [r for r, row in enumerate(rows) if row[_OP] == _JOIN]
     raise CollectiveMismatchError(
         f"{operation} on rank {runtime.rank()}: rank(s) {joined} have joined (run out of data) and take part "
         f"only in allreduce until every rank has joined. Call {operation} after join() has returned on every rank."
     )
 
 
-def _allreduce_into(tensor: torch.Tensor, op: str, async_op: bool, check: bool,
-                    algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
-    reduce_op = _reduce_op(op, tensor)
-    if algorithm not in ALLREDUCE_ALGORITHMS:
-        raise ConfigurationError(f"algorithm must be one of {list(ALLREDUCE_ALGORITHMS)}, got {algorithm!r}.")
-    if check:  # the algorithm is part of the record: ranks that disagree would exchange garbage
-        _check("allreduce", tensor, REDUCE_OPS_INDEX[op] + len(REDUCE_OPS) * ALLREDUCE_ALGORITHMS.index(algorithm))
-    scale = _averaging(op, tensor)
-    if tensor.is_cuda and algorithm in algorithms.ALGORITHMS:
-        raise ConfigurationError(f"algorithm={algorithm!r} reduces CPU tensors; for CUDA tensors NCCL chooses its "
-                                 "own algorithm: use algorithm='backend' or 'auto'.")
-    executor, algorithm = _route(algorithm, tensor)
-    if executor is None:
-        return _backend_allreduce(tensor, reduce_op, scale, async_op)
-    return _through(executor, tensor, op, algorithm, scale, async_op)
-
-
-def _backend_allreduce(tensor: torch.Tensor, reduce_op: Any, scale: Callable[[torch.Tensor], torch.Tensor],
-                       async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
-    """torch.distributed's own allreduce over the tensor's group (of the current scope)."""
-    return _launch("allreduce", lambda: dist.all_reduce(tensor, reduce_op, group=_group(tensor), async_op=True),
-                   lambda: scale(tensor), async_op)
+def _backend_allreduce(data: torch.Tensor, op: str, finish: Callable[[torch.Tensor], T],
+                       async_op: bool) -> T | Handle[T]:
+    """torch.distributed's own allreduce of ``data`` over its group (of the current scope), then ``finish``."""
+    return _launch("allreduce", lambda: dist.all_reduce(data, REDUCE_OPS[op], group=_group(data), async_op=True),
+                   lambda: finish(data), async_op)
 
 
 def _route(algorithm: str, tensor: torch.Tensor) -> tuple[Any, str]:
@@ -516,20 +561,14 @@ def measure_link() -> cost.Link:
     return _links[id(group)]
 
 
-def _through(executor: OrderedExecutor[Any], tensor: torch.Tensor, op: str, algorithm: str,
-             scale: Callable[[torch.Tensor], torch.Tensor], async_op: bool,
-             name: str = "allreduce") -> torch.Tensor | Handle[torch.Tensor]:
-    """An allreduce on one of the runtime's ordered executors (shared memory, or phalanx's
-    algorithms), in the order of submission: see :mod:`phalanx.comm.ordered`."""
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-
-    def finish(_: None) -> torch.Tensor:
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return scale(tensor)
-
+def _through(executor: OrderedExecutor[Any], data: torch.Tensor, op: str, algorithm: str,
+             finish: Callable[[torch.Tensor], T], async_op: bool, name: str = "allreduce") -> T | Handle[T]:
+    """An allreduce of the contiguous ``data`` on one of the runtime's ordered executors (shared
+    memory, or phalanx's algorithms), in the order of submission (see :mod:`phalanx.comm.ordered`),
+    then ``finish``."""
     how = "shared memory" if executor is runtime.shm_executor() else algorithm
-    return _on(executor, f"{name} ({how})", lambda: executor.group.allreduce_(flat, op, algorithm), finish, async_op)
+    return _on(executor, f"{name} ({how})", lambda: executor.group.allreduce_(data.view(-1), op, algorithm),
+               lambda _: finish(data), async_op)
 
 
 def _on(executor: OrderedExecutor[Any], name: str, work: Callable[[], S], finish: Callable[[S], T],
@@ -556,14 +595,24 @@ class _FutureWork:
         return self._future.done()
 
 
-def _broadcast_into(tensor: torch.Tensor, root: int, async_op: bool,
-                    check: bool) -> torch.Tensor | Handle[torch.Tensor]:
-    _check_root(root)
-    if check:
-        _check("broadcast", tensor, root)
-    return _launch("broadcast", lambda: dist.broadcast(tensor, _global_rank(root), group=_group(tensor),
-                                                       async_op=True),
-                   lambda: tensor, async_op)
+def _broadcast(tensor: torch.Tensor, root: int, async_op: bool, check: bool,
+               in_place: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    """Agree on the call, then send root's bytes into ``tensor`` itself (``in_place``) or a new tensor."""
+    _agree("broadcast", tensor, root, _problem(tensor, root=root), check)
+    wire.check_movable(tensor.dtype, "broadcast")
+    data = wire.to_bytes(tensor.detach(), copy=not in_place)
+    if in_place:
+        finish = lambda: _holding(tensor, data)  # noqa: E731
+    else:
+        finish = lambda: wire.from_bytes(data, tensor.dtype, tensor.shape)  # noqa: E731
+    return _launch("broadcast", lambda: dist.broadcast(data, _global_rank(root), group=_group(data), async_op=True),
+                   finish, async_op)
+
+
+def _holding(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``tensor``, its memory holding the bytes ``data`` received for it."""
+    wire.write_bytes(data, tensor.detach())
+    return tensor
 
 
 def _launch(name: str, start: Callable[[], Any], finish: Callable[[], T], async_op: bool) -> T | Handle[T]:
@@ -596,17 +645,7 @@ def _group(tensor: torch.Tensor | None) -> dist.ProcessGroup | None:
     return runtime.group_for(tensor)
 
 
-def _reduce_op(op: str, tensor: torch.Tensor) -> Any:
-    if op not in REDUCE_OPS:
-        raise ConfigurationError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}.")
-    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ConfigurationError(
-            f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide, or convert first."
-        )
-    return REDUCE_OPS[op]
-
-
-def _averaging(op: str, tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _averaging(op: str) -> Callable[[torch.Tensor], torch.Tensor]:
     size = _size()
     if op != "avg" or size == 1:
         return lambda t: t
@@ -618,35 +657,73 @@ def _check_root(root: int) -> None:
         raise ConfigurationError(f"root must be a rank in [0, {_size()}), got {root}.")
 
 
-def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: int) -> list[int]:
+def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: int) -> list[int] | None:
+    """The rows this rank sends to each rank, or ``None`` where ``splits`` cannot be (every rank raises)."""
     rows = tensor.shape[0] if tensor.dim() else 0
     if splits is None:
-        if rows % world:
-            raise ConfigurationError(
-                f"alltoall without splits needs dim 0 ({rows}) divisible by the world size {world}; pass splits."
-            )
-        return [rows // world] * world
-    splits = [int(s) for s in splits]
-    if len(splits) != world or sum(splits) != rows or min(splits) < 0:
-        raise ConfigurationError(
-            f"alltoall splits {splits} must hold {world} non-negative counts summing to dim 0 ({rows})."
-        )
-    return splits
+        return None if rows % world else [rows // world] * world
+    counts = [int(s) for s in splits]
+    return counts if len(counts) == world and sum(counts) == rows and min(counts) >= 0 else None
+
+
+def _refuse_scalar(tensor: torch.Tensor, operation: str, what: str) -> None:
+    """Refuse a 0-dim tensor where dim 0 is split: it has no rows (the ranks agreed on its shape)."""
+    if tensor.dim() == 0:
+        raise ConfigurationError(f"{operation} needs a tensor with a dimension {what}, got a 0-dim one. Every rank "
+                                 "raises this error; pass t.reshape(1).")
 
 
 # --- cross-rank metadata check -------------------------------------------------------------
 
 
-def _record(operation: str, tensor: torch.Tensor, detail: int) -> torch.Tensor:
-    if tensor.dim() > _MAX_DIMS:
-        raise ConfigurationError(f"collectives support tensors of up to {_MAX_DIMS} dimensions, got {tensor.dim()}.")
-    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
-    row = [_OPERATIONS.index(operation), dtype, detail, tensor.dim(), *tensor.shape]
+#: What a rank's arguments can be wrong in, as a code in its record: every rank reads the same words.
+_PROBLEMS = ("", "op must be one of {ops}", "algorithm must be one of {algorithms}", "root must be a rank in [0, {size})",
+             "collectives take tensors of up to {dims} dimensions",
+             "splits must hold {size} non-negative counts summing to dim 0 (without splits, dim 0 must be "
+             "divisible by {size})")
+_BAD_OP, _BAD_ALGORITHM, _BAD_ROOT, _TOO_MANY_DIMS, _BAD_SPLITS = range(1, len(_PROBLEMS))
+
+
+def _problem(tensor: torch.Tensor, op: str | None = None, algorithm: str | None = None,
+             root: int | None = None) -> int:
+    """The code of what is wrong with this rank's arguments (0: nothing), for its record."""
+    if op is not None and op not in REDUCE_OPS:
+        return _BAD_OP
+    if algorithm is not None and algorithm not in ALLREDUCE_ALGORITHMS:
+        return _BAD_ALGORITHM
+    if root is not None and not 0 <= root < _size():
+        return _BAD_ROOT
+    return _TOO_MANY_DIMS if tensor.dim() > _MAX_DIMS else 0
+
+
+def _op_code(op: str) -> int:
+    return REDUCE_OPS_INDEX.get(op, 0)  # an unknown op is reported by its problem code
+
+
+def _code(names: Sequence[str], name: str) -> int:
+    return names.index(name) if name in names else 0
+
+
+def _agree(operation: str, tensor: torch.Tensor, detail: int, problem: int, check: bool,
+           ignore_first_dim: bool = False) -> None:
+    """Raise alike on every rank where any rank's arguments are wrong or the ranks' metadata differ.
+
+    Without ``check`` (or alone) nothing is exchanged and only this rank's arguments are judged.
+    """
+    if check and _size() > 1:
+        _compare(_gather_records(operation, tensor, detail, problem), operation, ignore_first_dim)
+    elif problem:
+        raise _problem_error(operation, problem, [_rank()])
+
+
+def _record(operation: str, tensor: torch.Tensor, detail: int, problem: int) -> torch.Tensor:
+    shape = list(tensor.shape) if tensor.dim() <= _MAX_DIMS else []
+    row = [_OPERATIONS.index(operation), _DTYPE_INDEX[tensor.dtype], detail, problem, tensor.dim(), *shape]
     return torch.tensor(row + [-1] * (_RECORD_LEN - len(row)), dtype=torch.int64)  # one torch call: hot path
 
 
-def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0) -> list[list[int]]:
-    record = _record(operation, tensor, detail)
+def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0, problem: int = 0) -> list[list[int]]:
+    record = _record(operation, tensor, detail, problem)
     if _size() == 1:
         return [record.tolist()]
     shared = _one_host_executor()
@@ -665,20 +742,21 @@ def _one_host_executor() -> OrderedExecutor[shm.SharedMemoryGroup] | None:
     return shared if shared is not None and shared.group.cross is None and _scope.get() is None else None
 
 
-def _check(operation: str, tensor: torch.Tensor, detail: int = 0, ignore_first_dim: bool = False) -> None:
-    if _size() > 1:
-        _compare(_gather_records(operation, tensor, detail), operation, tensor, ignore_first_dim)
-
-
-def _compare(rows: list[list[int]], operation: str, tensor: torch.Tensor, ignore_first_dim: bool) -> None:
-    if any(row[0] == _JOIN for row in rows):  # ranks in join() add zeros to allreduces, and nothing else
+def _compare(rows: list[list[int]], operation: str, ignore_first_dim: bool, problems_only: bool = False) -> None:
+    """Raise, alike on every rank, for the first rank's invalid arguments, else (unless
+    ``problems_only``) for metadata that differ between ranks."""
+    if any(row[_OP] == _JOIN for row in rows):  # ranks in join() add zeros to allreduces, and nothing else
         if operation != "allreduce":
             _raise_joined(rows, operation)
-        rows = [row for row in rows if row[0] != _JOIN]
-    keys = [_comparable(row, ignore_first_dim) for row in rows]
-    if all(key == keys[0] for key in keys):
+    ranked = [(rank, row) for rank, row in enumerate(rows) if row[_OP] != _JOIN]
+    problems = [(row[_PROBLEM], rank) for rank, row in ranked if row[_PROBLEM]]
+    if problems:
+        code = problems[0][0]
+        raise _problem_error(operation, code, [rank for problem, rank in problems if problem == code])
+    keys = [_comparable(row, ignore_first_dim) for _, row in ranked]
+    if problems_only or all(key == keys[0] for key in keys):
         return
-    described = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+    described = "; ".join(f"rank {rank}: {_describe(row)}" for rank, row in ranked)
     what = "shapes (beyond dim 0), dtypes or operations" if ignore_first_dim else "operations, shapes or dtypes"
     raise CollectiveMismatchError(
         f"{operation} on rank {runtime.rank()}: ranks called it with different {what}: {described}. "
@@ -686,15 +764,22 @@ def _compare(rows: list[list[int]], operation: str, tensor: torch.Tensor, ignore
     )
 
 
+def _problem_error(operation: str, code: int, ranks: list[int]) -> ConfigurationError:
+    rule = _PROBLEMS[code].format(ops=sorted(REDUCE_OPS), algorithms=list(ALLREDUCE_ALGORITHMS), size=_size(),
+                                  dims=_MAX_DIMS)
+    return ConfigurationError(f"{operation} on rank(s) {ranks} of {_size()}: {rule}.")
+
+
 def _comparable(row: list[int], ignore_first_dim: bool) -> tuple[int, ...]:
-    return tuple(row[:4] + row[5:]) if ignore_first_dim else tuple(row)
+    return tuple(row[:_SHAPE] + row[_SHAPE + 1:]) if ignore_first_dim else tuple(row)
+
+
+def _shape(row: list[int]) -> list[int]:
+    return row[_SHAPE : _SHAPE + row[_NDIM]]
 
 
 def _describe(row: list[int]) -> str:
-    operation = _OPERATIONS[row[0]]
-    dtype = _DTYPES[row[1]] if row[1] < len(_DTYPES) else "unsupported dtype"
-    shape = tuple(row[4 : 4 + row[3]])
-    return f"{operation}({dtype}, shape={list(shape)})"
+    return f"{_OPERATIONS[row[_OP]]}({_DTYPES[row[_DTYPE]]}, shape={_shape(row)})"
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -705,8 +790,12 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return padded
 
 
-def _to_bytes(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+def _pickled(obj: Any) -> tuple[torch.Tensor, Exception | None]:
+    """``obj`` pickled into a uint8 tensor, or an empty one and the reason it cannot be."""
+    try:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8), None
+    except Exception as error:  # noqa: BLE001 - pickling raises many types; every rank must learn of it
+        return torch.empty(0, dtype=torch.uint8), error
 
 
 def _from_bytes(payload: torch.Tensor) -> Any:
