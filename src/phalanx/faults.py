@@ -26,6 +26,7 @@ ENV = "PHALANX_FAULTS"
 
 #: Every moment phalanx announces, in the order a run meets them.
 MOMENTS = (
+    "init.group",       # inside px.init(): the founders gather to form the first group
     "init.done",        # px.init() returned
     "fit.setup",        # px.fit entered: the model, loaders and state are being built
     "state.sync",       # the members exchange (and broadcast) the committed state

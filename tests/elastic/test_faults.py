@@ -26,6 +26,7 @@ from tests.elastic.launch import launched
 # (faults, workers, min workers). Every moment, each with the worker most at risk there; to keep
 # the suite short a job loses one worker early and another later (3 workers, down to 1).
 CASES = [
+    ("init.group@1", 3, 2),                     # inside px.init(), while the first group forms
     ("init.done@2,validation@1", 3, 1),
     ("fit.setup@1,checkpoint.write@0", 3, 1),   # rank 0 writes
     ("state.sync@0,step.end@1#5", 3, 1),        # the root of the initial broadcast

@@ -563,24 +563,31 @@ def rejoin(reason: str = "failure") -> Membership:
         mark_broken()
     _leave_group()
     _close_executors(current)
-    base, generation = current.info, current.generation
+    base = current.info
     _runtime = _Runtime(dataclasses.replace(base, rank=0, world_size=1), current.timeout_s, current.backend,
                         current.device, store=current.store, generation=-1, transport=current.transport)
+    _runtime = _next_generation(reason, current.generation, base, current.timeout_s, current.backend, current.device,
+                                current.store, current.transport)
+    assert _runtime.membership is not None
+    return _runtime.membership
+
+
+def _next_generation(reason: str, generation: int, info: LaunchInfo, timeout_s: float, backend: str,
+                     device: torch.device, store: Any, transport: str) -> _Runtime:
+    """Ask the coordinator for a place after ``generation`` and form the group it answers; when a
+    member is lost while that group forms, mark it broken and ask for the one after."""
+    assert _elastic is not None
     while True:
-        answer = _elastic.request(reason, generation, _rendezvous_timeout(current.timeout_s))
+        answer = _elastic.request(reason, generation, _rendezvous_timeout(timeout_s))
         try:
-            _runtime = _runtime_for_answer(answer, base, current.timeout_s, current.backend, current.device,
-                                           current.store, current.transport)
-        except CollectiveTimeoutError:  # a member of the new generation failed while it formed: next one
+            return _runtime_for_answer(answer, info, timeout_s, backend, device, store, transport)
+        except CollectiveTimeoutError:
             generation, reason = int(answer["generation"]), "failure"
             try:
-                current.store.add(Keys.broken(generation), 1)
+                store.add(Keys.broken(generation), 1)
             except (RuntimeError, OSError):
                 pass
             _leave_group()
-            continue
-        assert _runtime.membership is not None
-        return _runtime.membership
 
 
 def _elastic_launch() -> bool:
@@ -600,8 +607,7 @@ def _init_elastic(info: LaunchInfo, timeout_s: float, backend: str, device: torc
     member = int(os.environ[MEMBER_ENV])
     store = _connect_store(info, timeout_s)
     _elastic = ElasticClient(store, member)
-    answer = _elastic.request("start", -1, _rendezvous_timeout(timeout_s))
-    return _runtime_for_answer(answer, info, timeout_s, backend, device, store, transport)
+    return _next_generation("start", -1, info, timeout_s, backend, device, store, transport)
 
 
 def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: float, backend: str,
@@ -622,8 +628,7 @@ def _runtime_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: flo
                       tuple(answer.get("joined", ())), str(answer.get("reason", "start")),
                       float(answer.get("event_time", 0.0)))
     placed = dataclasses.replace(info, rank=rank, world_size=len(members))
-    if generation > 0:
-        faults.point("reform.group")
+    faults.point("reform.group" if generation > 0 else "init.group")
     _await_members(store, generation, len(members), timeout_s)
     if len(members) == 1:
         _elastic.track(generation, {})

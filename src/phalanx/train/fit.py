@@ -305,11 +305,11 @@ def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
 def _check_one_meaning(model: nn.Module, train_data: Any, global_batch_size: int, accumulate_steps: int) -> None:
     """Refuse two settings of one thing that disagree, naming both: a silent winner trains another model."""
     if isinstance(model, DataParallel) and model.accumulate_steps > 1:
+        both = f" and px.fit(accumulate_steps={accumulate_steps}) both set" if accumulate_steps > 1 else " sets"
         raise ConfigurationError(
-            f"px.DataParallel(accumulate_steps={model.accumulate_steps}) and px.fit(accumulate_steps="
-            f"{accumulate_steps}) both set gradient accumulation; px.fit accumulates itself: pass "
-            f"accumulate_steps={max(model.accumulate_steps, accumulate_steps)} to px.fit only and build "
-            "px.DataParallel without it.")
+            f"px.DataParallel(accumulate_steps={model.accumulate_steps}){both} gradient accumulation, but px.fit "
+            f"accumulates itself: pass accumulate_steps={max(model.accumulate_steps, accumulate_steps)} to px.fit "
+            "only and build px.DataParallel without it.")
     if isinstance(train_data, DistributedLoader) and train_data.global_batch_size != global_batch_size:
         raise ConfigurationError(
             f"train_data is a DistributedLoader with global_batch_size={train_data.global_batch_size}, but px.fit "
