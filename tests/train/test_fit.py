@@ -104,6 +104,10 @@ def test_two_settings_of_one_thing_are_refused_naming_both_before_anything_train
         (px.DataParallel(model, accumulate_steps=3), _dataset(), {}, r"accumulate_steps=3"),
         (model, px.data.DistributedLoader(_dataset(), global_batch_size=32), {},
          r"global_batch_size=32, but px.fit got global_batch_size=30"),
+        (model, _dataset(), {"micro_batch_size": 2}, r"micro_batch_size=2 is reproducible mode's"),
+        (model, _dataset(), {"checkpoint_every": 2}, r"checkpoint_every=2 needs checkpoint_dir"),
+        (model, _dataset(), {"checkpoint_dir": "a", "callbacks": [px.callbacks.Checkpoint("b")]},
+         r"Checkpoint\('b'\), but px.fit resumes from checkpoint_dir='a'"),
     ]
     for target, data, options, message in cases:
         with pytest.raises(px.ConfigurationError, match=message):

@@ -68,6 +68,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     _check_accumulation(accumulate_steps, reproducible)
     _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
     _check_one_meaning(model, train_data, global_batch_size, accumulate_steps)
+    _check_checkpoints(checkpoint_dir, checkpoint_every, callbacks)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
     val_loader = None if val_data is None else _loader(val_data, global_batch_size, seed, shuffle=False)
     _check_not_empty(loader, "train_data")
@@ -316,6 +317,19 @@ def _check_one_meaning(model: nn.Module, train_data: Any, global_batch_size: int
             f"got global_batch_size={global_batch_size}; give both the same value.")
 
 
+def _check_checkpoints(checkpoint_dir: str | Path | None, checkpoint_every: int | None, user: Sequence[Any]) -> None:
+    """A checkpoint setting that would be ignored, or a Checkpoint callback writing where px.fit does
+    not resume from, is refused: either would lose the run's checkpoints in silence."""
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ConfigurationError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir=: where to write them.")
+    for callback in user:
+        if isinstance(callback, cb.Checkpoint) and checkpoint_dir is not None and \
+                Path(callback.directory).resolve() != Path(checkpoint_dir).resolve():
+            raise ConfigurationError(
+                f"callbacks holds px.callbacks.Checkpoint('{callback.directory}'), but px.fit resumes from "
+                f"checkpoint_dir='{checkpoint_dir}'; give both the same folder (or drop one).")
+
+
 def _check_not_empty(loader: DistributedLoader, name: str) -> None:
     """An epoch without a step would report ``nan`` and train nothing: say so before training."""
     try:
@@ -333,6 +347,10 @@ def _check_not_empty(loader: DistributedLoader, name: str) -> None:
 
 def _micro_batch_size(reproducible: bool, micro_batch_size: int | None) -> int | None:
     if not reproducible:
+        if micro_batch_size is not None:
+            raise ConfigurationError(
+                f"micro_batch_size={micro_batch_size} is reproducible mode's unit of work: add reproducible=True, "
+                f"or, to bound memory, use accumulate_steps instead.")
         return None
     if micro_batch_size is None:
         raise ConfigurationError(
