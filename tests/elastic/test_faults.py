@@ -2,8 +2,8 @@
 
 Each case kills chosen workers at named moments (``PHALANX_FAULTS``, see ``phalanx.faults``) of an
 elastic ``px.fit`` job in reproducible mode that also validates and writes checkpoints; the job must
-exit 0 with the weights of an uninterrupted run. The randomized test kills a random worker after a
-random delay from the launch instead.
+exit 0 with the weights of an uninterrupted run, each recovery taking under 5 s from the death to
+the next completed step. The randomized test kills a random worker after a random delay instead.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -58,6 +59,9 @@ def run_job(tmp_path: Path, workers: int, min_workers: int, env: dict[str, str] 
         print(f"exit {code} after {elapsed:.1f}s")
         assert code == 0, job.output()
         assert elapsed < 35, f"the job took {elapsed:.0f}s: a re-form waited for a timeout\n{job.output()}"
+        recoveries = [float(s) for s in re.findall(r"first step done ([\d.]+)s after the event", job.stderr)]
+        print(f"death to next completed step: {recoveries} s")
+        assert all(seconds < 5.0 for seconds in recoveries), job.output()
         return job.result()["digest"], job.stderr
 
 
