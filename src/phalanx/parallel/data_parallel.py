@@ -24,10 +24,10 @@ class DataParallel(nn.Module):
 
     Construction checks that every rank built the same model and broadcasts rank 0's parameters
     and buffers (in an elastic launch that waits for the elastic State's first sync, or else the
-    first training forward, so that a worker lost meanwhile is survived). Gradients are fused into buckets of about ``fusion_threshold_mb`` (``0``: one
-    allreduce per tensor, ``float("inf")``: one per step, ``"auto"``: measured during the first
-    steps; the first bucket of a step closes at 1 MB already) and reduced while backpropagation
-    continues. Ranks are weighted by the samples they saw, so uneven shares of a global batch
+    first training forward, so that a worker lost meanwhile is survived). Gradients are fused
+    into buckets of about ``fusion_threshold_mb`` (``0``: one allreduce per tensor,
+    ``float("inf")``: one per step, ``"auto"``: measured during the first steps; the first bucket
+    of a step closes at 1 MB already) and reduced while backpropagation continues. Ranks are weighted by the samples they saw, so uneven shares of a global batch
     still give the exact global-batch gradient.
 
     ``accumulate_steps=k`` reduces only on every ``k``-th backward (decided at forward time);
