@@ -142,19 +142,23 @@ def test_check_finite_raises_on_every_rank_naming_the_parameter() -> None:
         assert "NaN or Inf" in message and "'4.bias'" in message or "'0.weight'" in message, message
 
 
-def _differing_models() -> str:
+def _differing_models(when: str) -> str:
     torch.manual_seed(0)
     width = 32 if px.rank() == 0 else 33
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 2))
     try:
-        px.DataParallel(model)
+        if when == "built":
+            px.DataParallel(model)
+        else:  # an elastic group re-formed: the check comes with reshard, before the state is loaded
+            px.DataParallel(model, broadcast=False).reshard(px.rank(), px.size())
     except px.ConfigurationError as error:
         return str(error)
     return "no error"
 
 
-def test_models_that_differ_between_ranks_are_refused_on_every_rank() -> None:
-    for message in run_workers(_differing_models, 2):
+@pytest.mark.parametrize("when", ["built", "resharded"])
+def test_models_that_differ_between_ranks_are_refused_on_every_rank(when: str) -> None:
+    for message in run_workers(_differing_models, 2, when):
         assert "rank 1 differs from rank 0's" in message and "'0.weight' [33, 8]" in message, message
 
 

@@ -180,11 +180,9 @@ class State:
             object.__setattr__(self, "_fresh", False)
             return 0
         faults.point("state.sync")
-        mine = {"version": self.version, "fresh": self._fresh, "names": sorted([*self._objects, *self._values]),
-                "modules": self._structure()}
+        mine = {"version": self.version, "fresh": self._fresh, "names": sorted([*self._objects, *self._values])}
         everyone = collectives.allgather_object(mine)
         _check_same_entries(everyone)
-        _check_same_modules(everyone)
         if root is None:
             root = max(range(len(everyone)), key=lambda r: (not everyone[r]["fresh"], everyone[r]["version"], -r))
         elif not 0 <= root < len(everyone):
@@ -238,12 +236,6 @@ class State:
                   if isinstance(state, dict) and isinstance(state.get("epoch"), int)]
         if len(epochs) == 1:
             self._values["epoch"] = epochs[0]
-
-    def _structure(self) -> dict[str, list[tuple[str, tuple[int, ...], str]]]:
-        """Name, shape and dtype of every parameter and buffer of each module object."""
-        return {name: [(key, tuple(t.shape), str(t.dtype)) for key, t in entry.state_dict().items()
-                       if isinstance(t, torch.Tensor)]
-                for name, entry in self._objects.items() if isinstance(entry, nn.Module)}
 
     def _modules(self) -> list[nn.Module]:
         return [entry for entry in self._objects.values() if isinstance(entry, nn.Module)]
@@ -320,21 +312,6 @@ def _check_same_entries(everyone: list[dict[str, Any]]) -> None:
                 f"rank {runtime.rank()}: the State on rank {rank} holds {entry['names']} but rank 0's holds {names}; "
                 "every worker must build its State with the same entries."
             )
-
-
-def _check_same_modules(everyone: list[dict[str, Any]]) -> None:
-    """Raise on every rank, naming the first difference, unless every member built the same models."""
-    reference = everyone[0]["modules"]
-    for rank, entry in enumerate(everyone[1:], start=1):
-        for name, tensors in entry["modules"].items():
-            ours = reference.get(name, [])
-            difference = next(((theirs, mine) for theirs, mine in zip(tensors, ours) if theirs != mine), None)
-            if difference is None and len(tensors) == len(ours):
-                continue
-            theirs, mine = difference or (f"{len(tensors)} tensors", f"{len(ours)} tensors")
-            raise ConfigurationError(
-                f"rank {runtime.rank()}: the State's '{name}' on rank {rank} differs from rank 0's: {theirs} there, "
-                f"{mine} on rank 0. Every worker must build the same model.")
 
 
 # --- copying and broadcasting nested state ----------------------------------------------------

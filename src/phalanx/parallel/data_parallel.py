@@ -58,8 +58,8 @@ class DataParallel(nn.Module):
         #: Reproducible mode turns it off: there, per-micro-batch statistics are the design.
         self.check_batchnorm_batch = True
         #: In an elastic launch the replicas are made equal inside the elastic protection (the
-        #: first sync of a px.elastic.State, or else the first training forward), so that a worker
-        #: lost while the model is being built is survived.
+        #: first sync of a px.elastic.State, whose restore calls reshard, which checks the structure;
+        #: or else the first training forward), so that a worker lost while the model is built is survived.
         self._replicate_pending = runtime.size() > 1 and broadcast
         if self._replicate_pending and not runtime.is_elastic():
             self._replicate()
@@ -137,11 +137,14 @@ class DataParallel(nn.Module):
     def reshard(self, rank: int, world_size: int) -> None:
         """After the group changed: forget the step in progress, lay out buckets as every peer does.
 
-        Called on every member of the new group (it exchanges the fusion threshold, which a
-        worker that joined later has not chosen yet).
+        Called on every member of the new group, before the state synchronised with the group is
+        loaded. In one exchange the members check that they built the same model and agree on the
+        fusion threshold (which a worker that joined later has not chosen yet).
         """
         mine = self.reducer.threshold_mb if self.reducer is not None else None
-        agreed = next((t for t in collectives.allgather_object(mine) if t is not None), None)
+        everyone = collectives.allgather_object((replicate.describe(self.module), mine))
+        replicate.raise_if_different([structure for structure, _ in everyone])
+        agreed = next((t for _, t in everyone if t is not None), None)
         self.reset_reducer(agreed)
         self._replicate_pending = False  # the state synchronised with the group is loaded next
 

@@ -18,7 +18,11 @@ def describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
 
 def check_same_structure(module: nn.Module) -> None:
     """Raise on every rank, naming the first difference, unless all ranks hold the same model."""
-    everyone = collectives.allgather_object(describe(module))
+    raise_if_different(collectives.allgather_object(describe(module)))
+
+
+def raise_if_different(everyone: list[list[tuple[str, tuple[int, ...], str]]]) -> None:
+    """Raise on every rank, naming the first difference, unless every rank's :func:`describe` is rank 0's."""
     reference = everyone[0]
     for other_rank, theirs in enumerate(everyone[1:], start=1):
         difference = _first_difference(reference, theirs)
