@@ -149,8 +149,7 @@ class ElasticClient:
                 return
             self._aborted = generation
             since = self._forming_since
-            shutdown_sockets(self._sockets if since is None else
-                             {inode: fd for inode, fd in socket_inodes().items() if inode not in since})
+            shutdown_sockets(self._sockets if since is None else sockets_since(since))
 
     def _watch(self) -> None:
         last_beat = 0.0
@@ -196,6 +195,11 @@ def socket_inodes() -> dict[str, int]:
         if target.startswith("socket:"):
             found[target] = int(name)
     return found
+
+
+def sockets_since(before: dict[str, int]) -> dict[str, int]:
+    """The sockets this process opened since ``before`` (a group's connections, for the watchdog)."""
+    return {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
 
 
 def shutdown_sockets(sockets: dict[str, int]) -> None:

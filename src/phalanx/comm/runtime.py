@@ -36,6 +36,7 @@ from phalanx.comm.membership import (
     MembershipClosed,
     shutdown_sockets,
     socket_inodes,
+    sockets_since,
 )
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
 
@@ -293,16 +294,11 @@ def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:
     if runtime.messages is None:
         before = socket_inodes()
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runtime.timeout_s))
-        runtime.sockets.update(_sockets_since(before))
+        runtime.sockets.update(sockets_since(before))
         if _elastic is not None:  # a broken generation's watchdog must be able to cut these too
             _elastic.track(runtime.generation, dict(runtime.sockets))
         runtime.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
     return runtime.messages
-
-
-def _sockets_since(before: dict[str, int]) -> dict[str, int]:
-    """The sockets this process opened since ``before`` (a group's connections, for the watchdog)."""
-    return {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
 
 
 def _close_executors(runtime: _Runtime) -> None:
@@ -402,7 +398,7 @@ def _create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torc
             f"rendezvous on rank {info.rank} failed: not all {info.world_size} workers joined within "
             f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
         ) from error
-    sockets = _sockets_since(before)  # cross-host groups too
+    sockets = sockets_since(before)  # cross-host groups too
     return _Runtime(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
                     sockets=sockets, transport=transport, shm=executor)
 
