@@ -87,7 +87,7 @@ class ElasticSupervisor(Supervisor):
         if worker.spec.server is not None:
             if code != 0:
                 return self._failed(worker)
-            return None if any(w.running for w in self.workers) else self._result()
+            return self._result() if self.all_exits_handled() else None
         self._post({"type": "exit", "member": self.members[worker], "code": code, "time": time.time()})
         if code == 0:
             with contextlib.suppress(RuntimeError, OSError):
@@ -98,9 +98,9 @@ class ElasticSupervisor(Supervisor):
             if self.job_failure is None:  # once the job failed, the survivors' exits are not losses
                 self.lost.append(worker)
                 self._report_lost(worker)
-        if not any(w.running for w in self.workers):
-            return self._result()
-        return None
+        # Every exit reported to the coordinator first: one left unread would keep its member
+        # "starting", and node 0's launcher waiting for it, until the start timeout.
+        return self._result() if self.all_exits_handled() else None
 
     def on_tick(self) -> LaunchResult | None:
         """Kill workers the coordinator declared dead; notice when the job fell below its minimum."""

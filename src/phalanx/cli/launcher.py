@@ -52,6 +52,7 @@ class Supervisor:
         self.store: Any = None
         self.board: JobBoard | None = None
         self._exits: queue.Queue[Worker] = queue.Queue()
+        self._exits_handled = 0
         self._stop_signals: list[int] = []
         self._terminated = False
         self._aborting = False
@@ -95,9 +96,15 @@ class Supervisor:
                 if result is not None:
                     return result
                 continue
+            self._exits_handled += 1
             result = self.on_worker_exit(worker)
             if result is not None:
                 return result
+
+    def all_exits_handled(self) -> bool:
+        """Whether :meth:`on_worker_exit` has been called for every worker. Not the same as none
+        running: a worker is reaped moments before its exit reaches the queue."""
+        return self._exits_handled == len(self.workers)
 
     def on_tick(self) -> LaunchResult | None:
         """Called between exits: in a multi-host job, stop when another host's worker failed."""
