@@ -70,9 +70,13 @@ def _sampler(search: Search) -> optuna.samplers.BaseSampler:
 
 def pruner(name: str) -> optuna.pruners.BasePruner:
     """``median``: stop a trial whose metric is worse than the median of earlier trials at the same
-    step, once two trials finished and from its second report on."""
+    step, once two trials completed and from its second report on.
+
+    Steps count from 1 (``px.fit`` reports epoch 1, 2, ...) while Optuna's warm-up counts from 0:
+    ``n_warmup_steps=2`` makes step 2 the first step a trial can be stopped at.
+    """
     if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2)
     return optuna.pruners.NopPruner()
 
 

@@ -48,7 +48,9 @@ def params(**defaults: Any) -> dict[str, Any]:
 def report(step: int, **metrics: float) -> bool:
     """Record ``metrics`` at ``step``; True when the pruner says to stop (then stop, and exit normally).
 
-    Collective when the job has several workers: every rank must call it at the same steps.
+    Steps count from 1, as ``px.fit``'s epochs do: the median pruner compares trials at the same
+    step and stops none before step 2. Collective when the job has several workers: every rank must
+    call it at the same steps.
     """
     if not active():
         return False
