@@ -1,6 +1,7 @@
 """What a search leaves in its directory: ``trials.csv``, the best trial, and three plots.
 
-``metric_vs_<parameter>.png`` (the metric against each parameter), ``runtime.png`` (seconds per
+``metric_vs_<parameter>.png`` (the metric against each parameter, on a log axis where the parameter
+was sampled on a log scale, its categories evenly spaced in order), ``runtime.png`` (seconds per
 trial) and ``learning_curves.png`` (every trial's reported metric by step), drawn with matplotlib
 (Agg, no display needed). ``phalanx tune --report DIR`` writes them again from the study alone.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from phalanx.atomic import write_atomically, write_text_atomically
@@ -68,7 +70,7 @@ def _plot(trials: list[FrozenTrial], names: list[str], directory: Path, metric: 
     for name in names:
         figure, axes = plt.subplots(figsize=(5, 3.5))
         points = [(t.params[name], t.value) for t in complete if name in t.params]
-        _scatter(axes, points)
+        _scatter(axes, points, [t.distributions[name] for t in trials if name in t.distributions][-1])
         axes.set_xlabel(name)
         axes.set_ylabel(metric)
         axes.set_title(f"{metric} by {name}")
@@ -94,17 +96,19 @@ def _plot(trials: list[FrozenTrial], names: list[str], directory: Path, metric: 
     _save(figure, directory / "learning_curves.png")
 
 
-def _scatter(axes: Any, points: list[tuple[Any, float]]) -> None:
+def _scatter(axes: Any, points: list[tuple[Any, float]], distribution: BaseDistribution) -> None:
+    """The metric against one parameter, on the scale it was sampled on: a log axis for a range
+    sampled on a log scale, a linear one for other ranges, and categories evenly spaced in order."""
     if not points:
         return
-    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x, _ in points):
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x, _ in points)
+    if numbers and not isinstance(distribution, CategoricalDistribution):
         axes.scatter([x for x, _ in points], [y for _, y in points])
-        positive = all(x > 0 for x, _ in points)
-        spread = max(x for x, _ in points) / min(x for x, _ in points) if positive else 1
-        if positive and spread > 100:
+        if getattr(distribution, "log", False):
             axes.set_xscale("log")
-    else:  # categories, in first-seen order
-        labels = list(dict.fromkeys(str(x) for x, _ in points))
+    else:  # the distribution's choices, then any value an earlier search had
+        choices = distribution.choices if isinstance(distribution, CategoricalDistribution) else ()
+        labels = list(dict.fromkeys([*(str(c) for c in choices), *(str(x) for x, _ in points)]))
         axes.scatter([labels.index(str(x)) for x, _ in points], [y for _, y in points])
         axes.set_xticks(range(len(labels)), labels)
 
