@@ -2,8 +2,8 @@
 
 For each of bench_ddp.py's models (MLP, CNN, small transformer) trained by px.fit at a fixed
 global batch (benchmarks/doctor_train.py): the doctor runs it on 2 workers over loopback (and its
-1-worker reference) and predicts the step at 2 and 3 workers on this host and at 2 workers, one
-per host, over a 1 Gbit/s link. Each configuration is then run without instrumentation,
+1-worker reference) and predicts the step at 1, 2 and 3 workers on this host (3 on 2 cores: the
+doctor says it cannot) and at 2 workers, one per host, over a 1 Gbit/s link. Each configuration is then run without instrumentation,
 ``--reps`` times, alternating with the others; the table gives the median step time and the
 prediction's error. The overhead of instrumentation is the script's own step time with the
 doctor's recorder on (never stopping) against without, in alternating order, median of the ratios.
@@ -35,13 +35,14 @@ from bench_ddp import NETNS, NETNS_ADDR, netns_down, netns_up  # noqa: E402
 from phalanx.cli.doctor import diagnose  # noqa: E402
 from phalanx.doctor.advice import accumulated_step  # noqa: E402
 from phalanx.doctor.diagnosis import Diagnosis  # noqa: E402
-from phalanx.doctor.predict import Layout, predict  # noqa: E402
+from phalanx.doctor.predict import Layout, predict, unpredictable  # noqa: E402
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_train.py")
 STEPS = "45"
 SEED_BATCH = 8
 CASES = ("configurations", "accumulation", "seed")
-CONFIGS = {"2 loopback": Layout(2, 2), "3 loopback": Layout(3, 3), "2 netns 1 Gbit/s": Layout(2, 1, 1.0)}
+CONFIGS = {"1 worker": Layout(1, 1), "2 loopback": Layout(2, 2), "3 loopback": Layout(3, 3),
+           "2 netns 1 Gbit/s": Layout(2, 1, 1.0)}
 
 
 def _step_s(output: str) -> float:
@@ -91,6 +92,7 @@ def measure(model: str, reps: int) -> tuple[dict[str, float], float]:
         times["2 loopback"].append(loopback(model, 2))
         on = on if first else loopback(model, 2, session=True)
         overhead.append(on / times["2 loopback"][-1])
+        times["1 worker"].append(loopback(model, 1))
         times["3 loopback"].append(loopback(model, 3))
         times["2 netns 1 Gbit/s"].append(over_netns(model))
     return {name: statistics.median(values) for name, values in times.items()}, statistics.median(overhead)
@@ -161,17 +163,19 @@ def configurations(diagnoses: dict[str, Diagnosis], reps: int) -> None:
         for model, diagnosis in diagnoses.items():
             measured, overhead = measure(model, reps)
             for name, layout in CONFIGS.items():
-                predicted = predict(diagnosis.model, layout).step_s
+                reason = unpredictable(diagnosis.model, layout)
+                predicted = None if reason else predict(diagnosis.model, layout).step_s
                 rows.append((model, name, predicted, measured[name], overhead))
-                print(f"{model} {name}: predicted {predicted * 1e3:.1f} ms, measured {measured[name] * 1e3:.1f} ms",
-                      flush=True)
+                print(f"{model} {name}: predicted {reason or f'{predicted * 1e3:.1f} ms'}, measured "
+                      f"{measured[name] * 1e3:.1f} ms", flush=True)
     finally:
         netns_down()
     print("\n| model | configuration | predicted ms | measured ms | error | recorder on / off (2 loopback) |")
     print("|---|---|---|---|---|---|")
     for model, name, predicted, measured_s, overhead in rows:
-        print(f"| {model} | {name} | {predicted * 1e3:.1f} | {measured_s * 1e3:.1f} | "
-              f"{100 * (predicted / measured_s - 1):+.1f}% | {overhead:.3f} |")
+        shown = ("not predicted", "-") if predicted is None else (f"{predicted * 1e3:.1f}",
+                                                                  f"{100 * (predicted / measured_s - 1):+.1f}%")
+        print(f"| {model} | {name} | {shown[0]} | {measured_s * 1e3:.1f} | {shown[1]} | {overhead:.3f} |")
     print()
 
 

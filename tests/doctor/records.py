@@ -9,16 +9,17 @@ BUCKETS = ((0.25, 1_000_000, 0.0), (1.0, 3_000_000, 0.004))  # (ready share of b
 
 
 def steps(count: int, rank: int = 0, wait_scale: float = 1.0, samples: int = 32,
-          compute_scale: float = 1.0) -> list[list[Any]]:
+          compute_scale: float = 1.0, short_last: int | None = None) -> list[list[Any]]:
     """Events of a warm-up step's end, then ``count`` steps: data, forward, backward, buckets launched
-    and waited for, optimizer."""
+    and waited for, optimizer (the last step of ``short_last`` samples, if given, in half the compute)."""
     events: list[list[Any]] = [["step", 0.0, {"cpu": 0.0}]]
     t = 0.0
-    for _ in range(count):
+    for index in range(count):
+        short = short_last is not None and index == count - 1
         events.append(["data", t + DATA, {"started": t}])
         t += DATA
-        events.append(["forward", t, {"samples": samples}])
-        t += FORWARD * compute_scale
+        events.append(["forward", t, {"samples": short_last if short else samples}])
+        t += FORWARD * compute_scale * (0.5 if short else 1.0)
         begin = t
         events.append(["backward", t, {}])
         exposed = 0.0
@@ -36,7 +37,8 @@ def steps(count: int, rank: int = 0, wait_scale: float = 1.0, samples: int = 32,
 
 
 def record(rank: int = 0, world: int = 2, local: int = 2, cores: int = 2, count: int = 6, warmup: int = 1,
-           samples: int = 32, wait_scale: float = 1.0, compute_scale: float = 1.0) -> dict[str, Any]:
+           samples: int = 32, wait_scale: float = 1.0, compute_scale: float = 1.0,
+           short_last: int | None = None) -> dict[str, Any]:
     """One rank's record as the session writes it."""
     figures = None
     if world > 1:
@@ -46,8 +48,8 @@ def record(rank: int = 0, world: int = 2, local: int = 2, cores: int = 2, count:
     return {"rank": rank, "warmup": warmup, "complete": True, "world_size": world, "local_size": local, "node": 0,
             "transport": "shm" if world > 1 else "gloo", "transport_figures": figures,
             "host": {"cores": cores, "cpu_count": cores, "threads": 1, "interop_threads": 1, "hostname": "h"},
-            "events": steps(count, rank, wait_scale, samples, compute_scale) if world > 1
-            else _without_buckets(steps(count, samples=samples, compute_scale=compute_scale))}
+            "events": steps(count, rank, wait_scale, samples, compute_scale, short_last) if world > 1
+            else _without_buckets(steps(count, samples=samples, compute_scale=compute_scale, short_last=short_last))}
 
 
 def _without_buckets(events: list[list[Any]]) -> list[list[Any]]:

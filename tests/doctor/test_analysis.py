@@ -25,10 +25,46 @@ def test_the_phases_of_a_step_are_recovered_from_its_events() -> None:
     assert run.steps == 6
 
 
-def test_the_model_reproduces_the_measured_configuration() -> None:
+def test_the_global_batch_is_the_configured_one_and_a_short_last_batch_is_left_out() -> None:
+    run = summarize([fake.record(rank, short_last=13) for rank in range(2)])  # the epoch's last: 26 samples
+    full = summarize([fake.record(rank) for rank in range(2)])
+    assert run.global_batch == 64 and run.short_batches == (26,) and run.steps == full.steps - 1
+    assert run.step_s == pytest.approx(full.step_s) and run.compute_s == pytest.approx(full.compute_s)
+
+
+def test_a_step_that_paid_for_an_epoch_end_is_left_out_of_the_timing() -> None:
+    records = [fake.record(rank, count=8) for rank in range(2)]
+    for record in records:  # 0.2 s of validation between the third and the fourth step
+        cut = [i for i, event in enumerate(record["events"]) if event[0] == "step"][3]
+        for event in record["events"][cut + 1:]:
+            event[1] += 0.2
+            if "started" in event[2]:
+                event[2]["started"] += 0.2
+    run, steady = summarize(records), summarize([fake.record(rank, count=8) for rank in range(2)])
+    assert run.outliers == 1 and run.steps == steady.steps - 1
+    assert run.step_s == pytest.approx(steady.step_s) and run.other_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_model_reproduces_both_measured_configurations() -> None:
     run = summarize([fake.record(rank) for rank in range(2)])
-    model = predict.fit(run)
+    reference = summarize([fake.record(0, world=1, local=1, samples=64, compute_scale=1.7)])
+    model = predict.fit(run, reference)
     assert predict.predict(model, predict.Layout(2, 2)).step_s == pytest.approx(run.step_s, rel=1e-6)
+    assert predict.predict(model, predict.Layout(1, 1)).step_s == pytest.approx(reference.step_s, rel=1e-6)
+    assert predict.unpredictable(model, predict.Layout(1, 1)) is None
+
+
+def test_runs_that_disagree_predict_only_what_they_measured() -> None:
+    run = [fake.record(rank) for rank in range(2)]
+    faster = [fake.record(0, world=1, local=1, samples=64, compute_scale=0.6)]  # twice the batch in less time
+    diagnosis = diagnose_records(run, faster, [])
+    on_host = {p.layout.world_size for p in diagnosis.predictions if p.layout.hosts == 1}
+    assert on_host == {1, 2}
+    assert {layout.world_size for layout, _ in diagnosis.not_predicted} == {3, 4}
+    assert not any(r.kind == "batch_size" for r in diagnosis.recommendations)
+    measured = {p.layout.world_size: p.step_s for p in diagnosis.predictions if p.layout.hosts == 1}
+    assert measured[1] == pytest.approx(diagnosis.reference.step_s) and measured[2] == pytest.approx(
+        diagnosis.measured.step_s)
 
 
 def test_across_hosts_the_buckets_cost_what_the_alpha_beta_ring_says() -> None:
@@ -38,11 +74,15 @@ def test_across_hosts_the_buckets_cost_what_the_alpha_beta_ring_says() -> None:
     assert predict.predict(model, predict.Layout(2, 1, 1.0)).comm_s == pytest.approx(expected)
 
 
-def test_more_workers_than_cores_slow_the_compute_down_in_proportion() -> None:
+def test_more_workers_than_cores_are_predicted_only_at_the_measured_count() -> None:
     model = predict.fit(summarize([fake.record(rank) for rank in range(2)]))
-    per_worker = model.work_fixed_s + model.work_per_sample_s * 64 / 4
-    assert predict.predict(model, predict.Layout(4, 4)).compute_s == pytest.approx(2.0 * per_worker)
-    assert predict.predict(model, predict.Layout(2, 2)).compute_s == pytest.approx(model.work_per_sample_s * 32)
+    assert "phalanx doctor -n WORKERS" in predict.unpredictable(model, predict.Layout(3, 3))
+    crowded = summarize([fake.record(rank, world=4, local=4, samples=16) for rank in range(4)])
+    model = predict.fit(crowded)  # 4 workers on 2 cores: each computes at half speed
+    assert predict.unpredictable(model, predict.Layout(4, 4)) is None
+    assert predict.predict(model, predict.Layout(4, 4)).step_s == pytest.approx(crowded.step_s, rel=1e-6)
+    assert predict.predict(model, predict.Layout(2, 2)).work_s == pytest.approx(model.per_sample_s * 32)
+    assert model.per_sample_s * 16 == pytest.approx((crowded.step_s - crowded.exposed_comm_s) / 2)
 
 
 def test_an_oversubscribed_run_is_told_so_and_to_run_fewer_workers() -> None:
@@ -64,7 +104,9 @@ def test_the_json_object_holds_what_the_issue_promises() -> None:
     found = json.loads(json.dumps(diagnosis.as_dict()))
     assert {"world_size", "step_s", "compute_s", "exposed_comm_s", "data_wait_s"} <= set(found["measured"])
     predicted = {(p["world_size"], p["bandwidth_gbit"]) for p in found["predicted"]}
-    assert {(1, None), (3, None), (1024, None), (1024, 1.0)} <= predicted
+    assert {(1, None), (2, None), (1024, None), (1024, 1.0)} <= predicted
+    assert [(p["world_size"], "take turns" in p["reason"]) for p in found["not_predicted"]] == [(3, True), (4, True)]
+    assert any(a.startswith("a step without its allreduce wait") for a in found["assumptions"])
     assert all({"world_size", "bandwidth_gbit", "step_s", "efficiency"} <= set(p) for p in found["predicted"])
     assert set(found["noise_scale"] or {"b_simple": 0, "critical_batch": 0}) >= {"b_simple", "critical_batch"}
 
@@ -111,7 +153,7 @@ def test_accumulation_pays_the_exposed_allreduce_and_the_optimizer_once_per_k_ba
              if r.kind == "accumulation"}
     whole = predict.predict(model, predict.Layout(2, 2))
     for k in (2, 4):
-        per_batch = whole.step_s - (whole.exposed_s + model.step_fixed_s) * (1 - 1 / k)
+        per_batch = whole.step_s - (whole.exposed_s + model.optimizer_s) * (1 - 1 / k)
         assert found[str(k)].step_s == pytest.approx(per_batch)
         assert found[str(k)].gain == pytest.approx(whole.step_s / per_batch) and found[str(k)].gain > 1.03
         assert found[str(k)].action.startswith(f"px.fit(..., global_batch_size={k * 64}, accumulate_steps={k})")

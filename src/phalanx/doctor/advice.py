@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from phalanx.doctor.measured import Measured
 from phalanx.doctor.noise import NoiseScale
 from phalanx.comm import shm
-from phalanx.doctor.predict import Layout, ScalingModel, predict, shared_memory_link
+from phalanx.doctor.predict import Layout, ScalingModel, predict, shared_memory_link, unpredictable
 
 MIN_GAIN = 1.03  # below this a change is within the model's error
 SHARE_WORTH_NAMING = 0.2  # a phase taking this share of the step is named as a cause
@@ -48,15 +48,15 @@ def causes(run: Measured, reference: Measured | None, model: ScalingModel | None
     if run.step_s and run.data_wait_s / run.step_s > SHARE_WORTH_NAMING / 2:
         found.append(f"data starvation: {run.data_wait_s * 1e3:.1f} ms per step waiting for the next batch; raise "
                      "num_workers or prefetch of the DistributedLoader")
-    if model is not None and model.work_fixed_s > model.work_per_sample_s * run.global_batch / run.world_size:
+    if model is not None and model.fixed_s > model.per_sample_s * run.global_batch / run.world_size:
         found.append(f"tiny local batch: {run.global_batch / run.world_size:g} samples per worker cost less than the "
-                     f"fixed {model.work_fixed_s * 1e3:.1f} ms every step pays whatever the batch")
+                     f"fixed {model.fixed_s * 1e3:.1f} ms every step pays whatever the batch")
     return found
 
 
 def recommend(run: Measured, model: ScalingModel | None, scale: NoiseScale | None) -> list[Recommendation]:
-    """Every change predicted to gain at least :data:`MIN_GAIN`, best first."""
-    if model is None:
+    """Every change predicted to gain at least :data:`MIN_GAIN`, best first (none from a busy host's runs)."""
+    if model is None or model.busy:
         return []
     now = predict(model, Layout(run.world_size, run.workers_per_host)).step_s
     found = [*_fewer_workers(run, model, now), *_fusion(run, model, now), *_compression(run, model, now),
@@ -69,7 +69,8 @@ def recommend(run: Measured, model: ScalingModel | None, scale: NoiseScale | Non
 def _fewer_workers(run: Measured, model: ScalingModel, now: float) -> list[Recommendation]:
     if run.world_size > run.workers_per_host:  # several hosts: fewer workers is not a local choice
         return []
-    best = min(range(1, run.world_size), key=lambda p: predict(model, Layout(p, p)).step_s, default=None)
+    candidates = [p for p in range(1, run.world_size) if unpredictable(model, Layout(p, p)) is None]
+    best = min(candidates, key=lambda p: predict(model, Layout(p, p)).step_s, default=None)
     if best is None:
         return []
     step = predict(model, Layout(best, best)).step_s
@@ -116,7 +117,7 @@ def accumulated_step(model: ScalingModel, layout: Layout, k: int) -> float:
     """Seconds per measured global batch when each optimizer step accumulates ``k`` of them: the
     exposed allreduce and the optimizer are paid once per ``k`` batches."""
     whole = predict(model, layout)
-    return whole.step_s - (whole.exposed_s + model.slowdown(layout.local) * model.step_fixed_s) * (1 - 1 / k)
+    return whole.step_s - (whole.exposed_s + model.slowdown(layout.local) * model.optimizer_s) * (1 - 1 / k)
 
 
 def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseScale) -> list[Recommendation]:
@@ -132,6 +133,8 @@ def _accumulation(run: Measured, model: ScalingModel, now: float, scale: NoiseSc
 
 
 def _batch_size(run: Measured, model: ScalingModel, now: float, scale: NoiseScale) -> list[Recommendation]:
+    if model.per_sample_s < 0:  # the runs disagree on what a sample costs: no larger batch can be predicted
+        return []
     found = []
     for k in (2, 4):
         bigger = predict(model, Layout(run.world_size, run.workers_per_host), k * run.global_batch)

@@ -25,6 +25,8 @@ class Diagnosis:
     model: predict.ScalingModel | None
     noise: noise.NoiseScale | None
     predictions: list[predict.Prediction]
+    not_predicted: list[tuple[predict.Layout, str]]  # rows the runs cannot tell, and why
+    assumptions: list[str]
     causes: list[str]
     recommendations: list[advice.Recommendation]
     records: list[dict[str, Any]]  # every rank's events, for the trace
@@ -34,6 +36,10 @@ class Diagnosis:
         return {"measured": self.measured.as_dict(),
                 "reference": self.reference.as_dict() if self.reference else None,
                 "predicted": [p.as_dict() for p in self.predictions],
+                "not_predicted": [{"world_size": layout.world_size, "workers_per_host": layout.workers_per_host,
+                                   "bandwidth_gbit": layout.bandwidth_gbit, "reason": reason}
+                                  for layout, reason in self.not_predicted],
+                "assumptions": self.assumptions,
                 "noise_scale": self.noise.as_dict() if self.noise else None,
                 "causes": self.causes,
                 "recommendations": [r.as_dict() for r in self.recommendations]}
@@ -46,18 +52,44 @@ def diagnose_records(run: list[dict[str, Any]], reference: list[dict[str, Any]] 
     ref = summarize(reference) if reference else None
     scale = noise.estimate(norm_samples(run))
     model = predict.fit(measured, ref) if measured.transport_figures else None
-    predictions = scaling(model, measured, bandwidths_gbit) if model else []
-    return Diagnosis(measured, ref, model, scale, predictions, advice.causes(measured, ref, model),
-                     advice.recommend(measured, model, scale), run)
+    on_host, across = layouts(measured, bandwidths_gbit)
+    not_predicted = [(layout, reason) for layout in on_host + across
+                     if model and (reason := predict.unpredictable(model, layout))]
+    skipped = {layout for layout, _ in not_predicted}
+    predictions = [] if model is None else (
+        predict.scaling(model, [layout for layout in on_host if layout not in skipped])
+        + predict.scaling(model, [layout for layout in across if layout not in skipped],
+                          measured.global_batch / measured.world_size))
+    return Diagnosis(measured, ref, model, scale, predictions, not_predicted, assumptions(measured, ref, model),
+                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale), run)
 
 
-def scaling(model: predict.ScalingModel, measured: Measured, bandwidths_gbit: list[float]) -> list[predict.Prediction]:
-    """This host with 1 to twice its cores' workers at the measured global batch; then hosts like it
-    (the measured workers each) at the measured link and every given bandwidth, 1 to 1024 workers at
-    the measured batch per worker (the global batch grows with the workers)."""
+def layouts(measured: Measured, bandwidths_gbit: list[float]) -> tuple[list[predict.Layout], list[predict.Layout]]:
+    """The rows to predict: this host with 1 to twice its cores' workers at the measured global batch;
+    then hosts like it (the measured workers each) at the measured link and every given bandwidth,
+    1 to 1024 workers at the measured batch per worker (the global batch grows with the workers)."""
     on_host = [predict.Layout(p, p) for p in range(1, 2 * measured.cores + 1)]
     per_host = measured.workers_per_host
     across = [predict.Layout(p, per_host, bandwidth) for bandwidth in (None, *bandwidths_gbit) for p in WORLD_SIZES
               if p > per_host]
-    local = measured.global_batch / measured.world_size
-    return predict.scaling(model, on_host) + predict.scaling(model, across, local)
+    return on_host, across
+
+
+def assumptions(run: Measured, reference: Measured | None, model: predict.ScalingModel | None) -> list[str]:
+    """What the predictions take for granted, in the report's words."""
+    if model is None:
+        return []
+    found = [f"a step without its allreduce wait takes {model.fixed_s * 1e3:.2f} ms + {model.per_sample_s * 1e3:.3f} "
+             f"ms per local sample: the line through the runs at {run.world_size} and 1 worker(s), which the rows "
+             "for those two counts reproduce",
+             f"up to {run.cores} workers on this host each run as fast as with the core to itself (shared memory "
+             "bandwidth and caches are not modelled); beyond the cores, only the measured count is given",
+             "the allreduce within a host: the measured one, scaled for the ranks taking part "
+             "(shared memory: the copies each makes; Gloo: its ring), and as much hidden behind backward as measured",
+             f"across hosts: hosts like this one with {run.workers_per_host} worker(s) each, at the measured batch "
+             "per worker, reducing over a ring between hosts whose link the local ranks share"]
+    loads = [m.other_load for m in (run, reference) if m is not None and m.other_load is not None]
+    if loads:
+        found.append(f"the host as quiet as measured: other processes kept {max(loads):.2f} of its {run.cores} cores "
+                     f"busy while measuring (above {predict.BUSY_SHARE * run.cores:.1f}, only the measured rows are given)")
+    return found

@@ -1,15 +1,21 @@
 """What a doctor run measured, over all ranks: the step's phases, the buckets, the transport, the host.
 
-Phases are means over each rank's timed steps, then over ranks (the ranks run in lockstep, so
-their step times agree; how they split them may not). Buckets and transport figures are rank 0's.
+Only typical steps count: the global batch is the one the script configured (the largest any step
+had), and a short last batch of an epoch is named but left out of the timing, so no figure is an
+average that no step had; so are steps more than half again as long as the median (an epoch's
+validation and checkpoint land in the step after it, and a busy host preempts some). Phases are means over each rank's full timed steps, then over ranks (the
+ranks run in lockstep, so their step times agree; how they split them may not). Buckets and
+transport figures are rank 0's.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from phalanx.doctor.records import Step, mean, split_steps
+from phalanx.doctor import load
+from phalanx.doctor.records import RankSteps, Step, mean, split_steps
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,11 @@ class Measured:
     cores: int
     threads: int
     transport: str
-    global_batch: float
+    global_batch: int
+    short_batches: tuple[int, ...]  # smaller global batches seen (an epoch's last), left out of the timing
+    outliers: int  # full steps left out for taking more than OUTLIER times the median
+    spread: float  # the kept steps' interquartile range over their median: how steady the host was
+    other_load: float | None  # cores other processes kept busy while measuring (None: not measurable)
     step_s: float
     data_wait_s: float
     forward_s: float | None
@@ -79,7 +89,14 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
     """The :class:`Measured` figures of one run from its ranks' records."""
     records = sorted(records, key=lambda r: r["rank"])
     ranks = [split_steps(record) for record in records]
+    batches = global_batches(ranks)
+    batch = max(batches)
+    full = [index for index, size in enumerate(batches) if size == batch]
+    kept = typical(full, [max(rank.timed[i].step_s for rank in ranks) for i in range(len(batches))])
+    for rank in ranks:  # the ranks step in lockstep: step i of one is step i of all
+        rank.timed = [rank.timed[i] for i in kept]
     first, host = records[0], records[0]["host"]
+    quartiles = statistics.quantiles([step.step_s for step in ranks[0].timed], n=4) if len(kept) > 1 else [0, 0, 0]
 
     def per_rank(phase: str) -> float:
         return mean([mean([getattr(step, phase) for step in rank.timed]) for rank in ranks])
@@ -89,13 +106,36 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
     return Measured(
         world_size=int(first.get("world_size", 1)), workers_per_host=int(first.get("local_size", 1)),
         cores=int(host["cores"]), threads=int(host["threads"]), transport=str(first.get("transport", "none")),
-        global_batch=sum(mean([float(s.samples) for s in rank.timed]) for rank in ranks),
+        global_batch=batch, short_batches=tuple(sorted({size for size in batches if size < batch})),
+        outliers=len(full) - len(kept), other_load=_other_load(records), spread=(quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] else 0.0,
         step_s=per_rank("step_s"), data_wait_s=per_rank("data_s"),
         forward_s=mean(forwards) if forwards else None, backward_s=compute - mean(forwards) if forwards else None,
         compute_s=compute, exposed_comm_s=per_rank("exposed_s"), optimizer_s=per_rank("optimizer_s"),
         other_s=per_rank("other_s"), cpu_s=per_rank("cpu_s"), steps=len(ranks[0].timed),
         buckets=_buckets(ranks[0].timed, first.get("transport_figures")),
         transport_figures=first.get("transport_figures"))
+
+
+#: A full step longer than this many times the median is not a typical step.
+OUTLIER = 1.5
+
+
+def typical(indices: list[int], step_s: list[float]) -> list[int]:
+    """The ``indices`` whose steps took at most :data:`OUTLIER` times their median."""
+    median = statistics.median(step_s[i] for i in indices)
+    return [i for i in indices if step_s[i] <= OUTLIER * median]
+
+
+def _other_load(records: list[dict[str, Any]]) -> float | None:
+    """Cores other processes kept busy on rank 0's host while it measured (:mod:`phalanx.doctor.load`)."""
+    node = records[0].get("node", 0)
+    return load.other_load([tuple(r["load"]) for r in records  # type: ignore[misc]
+                            if r.get("node", 0) == node and len(r.get("load", ())) == 2])
+
+
+def global_batches(ranks: list[RankSteps]) -> list[int]:
+    """The global batch of each timed step: its samples summed over the ranks."""
+    return [sum(step.samples for step in steps) for steps in zip(*(rank.timed for rank in ranks))]
 
 
 def _buckets(steps: list[Step], figures: dict[str, Any] | None) -> tuple[Bucket, ...]:

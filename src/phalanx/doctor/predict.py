@@ -1,14 +1,19 @@
-"""Predicted step time at other world sizes, layouts and bandwidths, from a measured run.
+"""Predicted step time at other world sizes, layouts and bandwidths, from the measured runs.
 
-A worker's step is ``u(L) (c0 + cs b + f) + exposed``, with ``b = B/p`` its share of the global
-batch ``B`` at ``p`` workers, ``c0 + cs b`` the data and compute of a local batch of ``b`` samples
-(fitted through the run at ``N`` workers and the 1-worker reference run; without one, ``c0 = 0``),
-``f`` the optimizer and the rest, and ``u(L) = max(1, L t / cores)`` the slowdown of ``L``
+A worker's step is ``u(L) T(b) + exposed``. ``T(b) = t0 + ts b`` is everything but waiting for
+the allreduce (data, compute, optimizer, the rest) at a local batch of ``b = B/p`` samples, a
+line through the run at ``N`` workers and the 1-worker reference run, so both measured
+configurations are reproduced exactly; ``u(L) = max(1, L t / cores)`` is the slowdown of ``L``
 workers of ``t`` threads taking turns on a host's cores. Communication is the alpha-beta model of
 the allreduce in use, per bucket (:func:`phalanx.comm.cost.predict`): shared memory within a host,
-its time at the measured size scaled by ``u``; Gloo's ring across hosts, every local rank sending
-its 1/L slice over the host's one link; then the buckets are replayed in order from the moments
-backward made them ready, and what runs past the end of backward is exposed.
+its time at the measured size scaled for the ranks taking part; Gloo's ring across hosts, every
+local rank sending its 1/L slice over the host's one link; then the buckets are replayed in order
+from the moments backward made them ready, and what runs past the end of backward is exposed.
+
+Some rows cannot be predicted from two runs, and :func:`unpredictable` says why: more workers
+than cores (how the OS interleaves them and their lockstep allreduces is not a line) unless that
+was the measured count, and local batches where the line through the runs stops being believable
+(the runs disagree: a larger batch took less time, as when the host's other load changed).
 """
 
 from __future__ import annotations
@@ -43,20 +48,27 @@ class Layout:
 class ScalingModel:
     """The fitted figures a prediction needs (seconds; per worker and step unless named otherwise)."""
 
-    global_batch: float
-    work_fixed_s: float  # data and compute of a step, the part independent of the local batch
-    work_per_sample_s: float
-    step_fixed_s: float  # optimizer and everything else
-    backward_share: float  # of data + compute
+    global_batch: int
+    fixed_s: float  # T's part independent of the local batch, on a core of its own
+    per_sample_s: float  # T's slope; below zero when the two runs disagree
+    optimizer_s: float  # the optimizer step, on a core of its own (paid once per accumulated batch)
+    backward_share: float  # of T
     buckets: tuple[tuple[float, int], ...]  # (ready as a fraction of backward, bytes)
     cores: int
     threads: int
     transport: str
+    measured_world: int
     measured_local: int
     engine: cost.Link | None  # the engine's allreduce within a host at ``measured_local`` ranks
     ring: cost.Link | None  # Gloo's ring between processes
     comm_factor: float = 1.0  # a core each: how much longer the allreduce takes beside backward than alone
     crowded_factor: float = 1.0  # the same with more workers than cores, where it cannot hide behind backward
+    other_load: float = 0.0  # cores other processes kept busy while either run measured, at most
+
+    @property
+    def busy(self) -> bool:
+        """Whether other processes took enough of the host for the runs to say nothing about other layouts."""
+        return self.other_load > BUSY_SHARE * self.cores
 
     def slowdown(self, local: int) -> float:
         """``u(L)``: how much slower each of ``local`` workers runs for sharing the host's cores."""
@@ -68,39 +80,67 @@ class ScalingModel:
         ``1/u`` of a core to do it."""
         return self.slowdown(local) ** 2
 
+    def own_step(self, local_batch: float) -> float:
+        """``T(b)``: a step without the allreduce's wait, on a core of its own."""
+        return self.fixed_s + self.per_sample_s * local_batch
+
     def with_buckets(self, buckets: tuple[tuple[float, int], ...]) -> "ScalingModel":
         return replace(self, buckets=buckets)
 
 
 def fit(run: Measured, reference: Measured | None = None) -> ScalingModel:
     """The :class:`ScalingModel` of ``run``; ``reference`` (the same script on one worker) separates
-    the per-step from the per-sample work."""
+    the per-step from the per-sample work (without it, ``T`` is taken as proportional to the batch)."""
     model = ScalingModel(run.global_batch, 0.0, 0.0, 0.0, 0.0, (), run.cores, run.threads, run.transport,
-                         run.workers_per_host, *_links(run))
+                         run.world_size, run.workers_per_host, *_links(run))
     u = model.slowdown(run.workers_per_host)
-    fixed, per_sample = _work(model, run, reference)
+    busy = run.step_s - run.exposed_comm_s
+    fixed, per_sample = _line(model, run, reference)
     backward = run.backward_s if run.backward_s is not None else 0.0
     ready = tuple((min(b.ready_s / backward, 1.0) if backward > 0 else 1.0, b.bytes) for b in run.buckets)
-    model = replace(model, work_fixed_s=fixed, work_per_sample_s=per_sample,
-                    step_fixed_s=(run.optimizer_s + run.other_s) / u,
-                    backward_share=backward / (run.data_wait_s + run.compute_s) if run.compute_s else 0.0,
-                    buckets=ready)
+    loads = [m.other_load for m in (run, reference) if m is not None and m.other_load is not None]
+    model = replace(model, fixed_s=fixed, per_sample_s=per_sample, optimizer_s=run.optimizer_s / u,
+                    backward_share=backward / busy if busy > 0 else 0.0, buckets=ready, other_load=max(loads, default=0.0))
     if model.ring is None:
         return model
     return replace(model, comm_factor=_comm_factor(model, run), crowded_factor=_crowded_factor(model, run))
 
 
-def _work(model: ScalingModel, run: Measured, reference: Measured | None) -> tuple[float, float]:
-    """``(c0, cs)``: a line through the uncontended work at the run's and the reference's local batch
-    (without a reference, the work is taken as proportional to the local batch)."""
-    work = (run.data_wait_s + run.compute_s) / model.slowdown(run.workers_per_host)
+def _line(model: ScalingModel, run: Measured, reference: Measured | None) -> tuple[float, float]:
+    """``(t0, ts)``: the line through ``T`` at the run's and the reference's local batch, each
+    measured step without its exposed allreduce and divided by its slowdown."""
     local = run.global_batch / run.world_size
-    fixed = 0.0
-    if reference is not None and reference.global_batch > local:
-        ref_work = (reference.data_wait_s + reference.compute_s) / model.slowdown(reference.workers_per_host)
-        slope = max((ref_work - work) / (reference.global_batch - local), 0.0)
-        fixed = max(work - slope * local, 0.0)
-    return fixed, (work - fixed) / local
+    own = (run.step_s - run.exposed_comm_s) / model.slowdown(run.workers_per_host)
+    if reference is None or reference.global_batch == local:
+        return 0.0, own / local
+    ref_own = reference.step_s / model.slowdown(reference.workers_per_host)
+    slope = (ref_own - own) / (reference.global_batch - local)
+    return own - slope * local, slope
+
+
+#: Other processes keeping more than this share of the host's cores busy make it too busy to predict.
+BUSY_SHARE = 0.1
+
+
+def unpredictable(model: ScalingModel, layout: Layout) -> str | None:
+    """Why ``layout`` cannot be predicted from the measured runs (``None``: it can)."""
+    if layout in (Layout(1, 1), Layout(model.measured_world, model.measured_local)):
+        return None  # the line and the allreduce's factor reproduce the measured runs
+    if model.busy:
+        return (f"the host was busy: other processes kept {model.other_load:.1f} of its {model.cores} cores busy while "
+                "measuring, and how much they take of another layout cannot be told; rerun on a quiet host")
+    if model.slowdown(layout.local) > 1 and layout.local != model.measured_local:
+        return (f"more workers x threads than the {model.cores} cores take turns in ways two runs cannot tell; "
+                "measure such a count: phalanx doctor -n WORKERS")
+    local_batch = model.global_batch / layout.world_size if layout.hosts == 1 else None
+    if local_batch is None or local_batch in (model.global_batch, model.global_batch / model.measured_world):
+        return None  # a measured local batch: the line passes through it
+    if model.per_sample_s < 0:
+        return (f"the runs at 1 and {model.measured_world} workers disagree (the larger batch took less time: was the "
+                "host's other load changing?); rerun on a quiet host")
+    if model.own_step(local_batch) < 0.5 * model.per_sample_s * local_batch:
+        return f"a local batch of {local_batch:g} is too far from the measured ones for their line to hold"
+    return None
 
 
 def _crowded_factor(model: ScalingModel, run: Measured) -> float:
@@ -118,7 +158,7 @@ def _comm_factor(model: ScalingModel, run: Measured) -> float:
     takes longer than alone; the factor carries that over to the predictions (bisection, 0.1-1000).
     """
     layout = Layout(run.world_size, run.workers_per_host)
-    backward = model.backward_share * (run.data_wait_s + run.compute_s)
+    backward = model.backward_share * (run.step_s - run.exposed_comm_s)
     ready = [r for r, _ in model.buckets]
     low, high = 0.1, 1000.0
     for _ in range(40):
@@ -145,11 +185,16 @@ def _links(run: Measured) -> tuple[cost.Link | None, cost.Link | None]:
 SHARED_MEMORY_ALPHA_S = 80e-6
 
 
+def shared_memory_traffic(local: int) -> float:
+    """Copies of each byte a rank makes in a shared-memory allreduce of ``local`` ranks: it copies every
+    byte in and out, and reduces 1/local of them from ``local`` slots (reading all of them, writing
+    1/local), about half a copy's traffic more (docs/transport.md)."""
+    return 2 + (local + 1) / (2 * local)
+
+
 def shared_memory_link(copy_s_per_byte: float, local: int) -> cost.Link:
-    """The shared-memory allreduce of ``local`` ranks predicted from the host's measured copy speed:
-    each rank copies every byte in and out, and reduces 1/local of them from ``local`` slots (reading
-    all of them, writing 1/local), about half a copy's traffic more (docs/transport.md)."""
-    return cost.Link(SHARED_MEMORY_ALPHA_S, copy_s_per_byte * (2 + (local + 1) / (2 * local)))
+    """The shared-memory allreduce of ``local`` ranks predicted from the host's measured copy speed."""
+    return cost.Link(SHARED_MEMORY_ALPHA_S, copy_s_per_byte * shared_memory_traffic(local))
 
 
 def _least_squares(sizes: list[int], times: list[float]) -> cost.Link:
@@ -167,7 +212,7 @@ class Prediction:
     layout: Layout
     global_batch: float
     step_s: float
-    compute_s: float
+    work_s: float  # everything but the exposed allreduce
     comm_s: float
     exposed_s: float
     throughput: float
@@ -176,24 +221,25 @@ class Prediction:
     def as_dict(self) -> dict[str, object]:
         return {"world_size": self.layout.world_size, "workers_per_host": self.layout.workers_per_host,
                 "bandwidth_gbit": self.layout.bandwidth_gbit, "global_batch": self.global_batch,
-                "step_s": self.step_s, "compute_s": self.compute_s,
+                "step_s": self.step_s, "work_s": self.work_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_s, "throughput": self.throughput,
                 "efficiency": self.efficiency}
 
 
 def predict(model: ScalingModel, layout: Layout, global_batch: float | None = None) -> Prediction:
-    """The step at ``layout`` (and ``global_batch``, default the measured one)."""
+    """The step at ``layout`` (and ``global_batch``, default the measured one); see :func:`unpredictable`
+    for the layouts where this is a guess."""
     batch = model.global_batch if global_batch is None else global_batch
     u = model.slowdown(layout.local)
-    work = u * (model.work_fixed_s + model.work_per_sample_s * batch / layout.world_size)
+    own = u * max(model.own_step(batch / layout.world_size), 0.0)
     factor = model.crowded_factor if u > 1 else model.comm_factor
     times = [bucket_time(model, layout, n, factor) for _, n in model.buckets] if layout.world_size > 1 else []
     if u > 1:  # no core is idle: the allreduce cannot hide behind backward
         exposed = sum(times)
     else:
-        exposed = _exposed(model.backward_share * work, [r for r, _ in model.buckets], times)
-    step = work + u * model.step_fixed_s + exposed
-    return Prediction(layout, batch, step, work, sum(times), exposed, batch / step)
+        exposed = _exposed(model.backward_share * own, [r for r, _ in model.buckets], times)
+    step = own + exposed
+    return Prediction(layout, batch, step, own, sum(times), exposed, batch / step)
 
 
 def bucket_time(model: ScalingModel, layout: Layout, nbytes: int, factor: float = 1.0) -> float:
@@ -203,7 +249,8 @@ def bucket_time(model: ScalingModel, layout: Layout, nbytes: int, factor: float 
     within = 0.0
     if layout.local > 1:
         if model.transport == "shm" and model.engine is not None and model.measured_local > 1:
-            scale = model.crowding(layout.local) / model.crowding(model.measured_local)
+            scale = (model.crowding(layout.local) * shared_memory_traffic(layout.local)
+                     / (model.crowding(model.measured_local) * shared_memory_traffic(model.measured_local)))
             within = scale * (model.engine.alpha_s + nbytes * model.engine.beta_s_per_byte)
         else:
             within = cost.predict("ring", nbytes, layout.local, model.ring)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from phalanx.doctor.diagnosis import Diagnosis
 from phalanx.doctor.measured import Measured
-from phalanx.doctor.predict import Prediction
+from phalanx.doctor.predict import Layout
 
 
 def render(diagnosis: Diagnosis, script: str) -> str:
     """The whole report."""
     run = diagnosis.measured
     sections = [_header(run, diagnosis.reference, script), _phases(run), _communication(run), _host(run),
-                _causes(diagnosis.causes), _noise(diagnosis), _predictions(diagnosis.predictions),
+                _causes(diagnosis.causes), _noise(diagnosis), _predictions(diagnosis),
                 _recommendations(diagnosis)]
     return "\n\n".join(section for section in sections if section) + "\n"
 
@@ -22,8 +22,13 @@ def _ms(seconds: float | None) -> str:
 
 def _header(run: Measured, reference: Measured | None, script: str) -> str:
     line = (f"phalanx doctor: {script} on {run.world_size} worker(s), transport {run.transport}; {run.steps} timed "
-            f"steps of a global batch of {run.global_batch:g}: {_ms(run.step_s)} per step, "
+            f"steps of a global batch of {run.global_batch}: {_ms(run.step_s)} per step, "
             f"{run.global_batch / run.step_s:.0f} samples/s")
+    left_out = [f"{n} slower step(s)" for n in (run.outliers,) if n]
+    if run.short_batches:
+        left_out.insert(0, f"short last batch(es) of {', '.join(map(str, run.short_batches))}")
+    if left_out:
+        line += f" ({' and '.join(left_out)} left out)"
     if reference is not None:
         line += f"\n1 worker, same script and batch: {_ms(reference.step_s)} per step"
     return line
@@ -80,21 +85,47 @@ def _noise(diagnosis: Diagnosis) -> str:
             f"  learning rate: {scale.learning_rate_rule()}")
 
 
-def _predictions(predictions: list[Prediction]) -> str:
-    if not predictions:
+def _predictions(diagnosis: Diagnosis) -> str:
+    if not diagnosis.predictions:
         return ""
+    run = diagnosis.measured
     lines = ["Predicted (on this host: the measured global batch; across hosts: the measured batch per worker):",
-             "  workers  per host  link          global batch     step  samples/s  efficiency"]
-    for p in predictions:
-        link = ("this host" if p.layout.hosts == 1 else
-                "measured" if p.layout.bandwidth_gbit is None else f"{p.layout.bandwidth_gbit:g} Gbit/s")
-        lines.append(f"  {p.layout.world_size:>7}  {p.layout.workers_per_host:>8}  {link:<12}{p.global_batch:>14g}"
-                     f"{_ms(p.step_s):>10}"
-                     f"  {p.throughput:>9.0f}  {100 * p.efficiency:>9.0f}%")
+             "  workers  per host  link          global batch     step  samples/s  efficiency  from"]
+    rows = [(p.layout, p) for p in diagnosis.predictions] + [(layout, None) for layout, _ in diagnosis.not_predicted]
+    for layout, p in sorted(rows, key=lambda row: _row_order(row[0])):
+        link = ("this host" if layout.hosts == 1 else
+                "measured" if layout.bandwidth_gbit is None else f"{layout.bandwidth_gbit:g} Gbit/s")
+        head = f"  {layout.world_size:>7}  {layout.workers_per_host:>8}  {link:<12}"
+        if p is None:
+            lines.append(f"{head}{'':>14}{'-':>10}  {'-':>9}  {'-':>10}  not predicted (see below)")
+            continue
+        lines.append(f"{head}{p.global_batch:>14g}{_ms(p.step_s):>10}  {p.throughput:>9.0f}  {100 * p.efficiency:>9.0f}%"
+                     f"  {_basis(layout, run)}")
+    reasons = {reason: [layout.world_size for layout, r in diagnosis.not_predicted if r == reason]
+               for _, reason in diagnosis.not_predicted}
+    lines += [f"  not predicted at {', '.join(map(str, sizes))} worker(s): {reason}" for reason, sizes in reasons.items()]
+    lines += ["  assumed:"] + [f"    - {assumption}" for assumption in diagnosis.assumptions]
     return "\n".join(lines)
 
 
+def _row_order(layout: Layout) -> tuple[bool, float, int]:
+    """This host first, then each link (the measured one first), by workers."""
+    link = -1.0 if layout.bandwidth_gbit is None else layout.bandwidth_gbit
+    return layout.hosts > 1, link, layout.world_size
+
+
+def _basis(layout: Layout, run: Measured) -> str:
+    """Whether a row reproduces a measured run or is the model's."""
+    if layout == Layout(1, 1):
+        return "the 1-worker run"
+    if layout == Layout(run.world_size, run.workers_per_host):
+        return "this run"
+    return "model"
+
+
 def _recommendations(diagnosis: Diagnosis) -> str:
+    if diagnosis.model is not None and diagnosis.model.busy:
+        return "Recommendations: none; the host was too busy to predict what a change would gain (see above)."
     if not diagnosis.recommendations:
         return "Recommendations: none predicted to gain 3% or more."
     lines = ["Recommendations, best first (predicted step per global batch of the run, gain in time to train):"]

@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from phalanx import profile
 from phalanx.atomic import write_text_atomically
 from phalanx.comm import runtime
+from phalanx.doctor import load
 from phalanx.doctor.calibrate import measure_transport
 from phalanx.doctor.probe import Probe
 from phalanx.parallel.reductions import Reduction
@@ -40,6 +41,7 @@ class Session:
         self.probes: list[Probe] = []
         self.optimizer: int | None = None  # the first optimizer stepped: its steps are the training steps
         self.count = 0
+        self.load: list[dict[str, float]] = []  # snapshots when the measured steps start and end
 
     def start(self) -> None:
         """Switch the recorder on and watch the optimizer's steps."""
@@ -73,6 +75,8 @@ class Session:
             return
         self.count += 1
         self.recorder.mark("step", cpu=time.process_time())
+        if self.count == self.warmup:
+            self.load.append(load.snapshot())
         for probe in self.probes:  # norms on every other measured step, the rest are timed
             probe.measure_norms = self.count >= self.warmup and (self.count - self.warmup) % 2 == 0
         if self.count == self.warmup + self.steps:
@@ -80,8 +84,11 @@ class Session:
 
     def finish(self, complete: bool) -> None:
         """Write this rank's records; once every step was seen, measure the transport and end the process."""
+        if complete:
+            self.load.append(load.snapshot())
         record = {"rank": runtime.rank() if runtime.is_initialized() else 0, "warmup": self.warmup,
-                  "host": _host_facts(), "events": list(self.recorder.events), "complete": complete}
+                  "host": _host_facts(), "events": list(self.recorder.events), "complete": complete,
+                  "load": self.load}
         if runtime.is_initialized():
             record.update(world_size=runtime.size(), local_size=runtime.local_size(), node=runtime.node_rank(),
                           transport="shm" if runtime.shm_executor() is not None else "gloo")
