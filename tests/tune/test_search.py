@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 
 from phalanx.tune.storage import journal_url, load_study
-from phalanx.tune.study import INTERRUPTED_ATTR, counted
+from phalanx.tune.study import INTERRUPTED_ATTR, counted, unreported_metric
+from phalanx.tune.trial import CURVE_ATTR
 from tests.cli.test_launcher import worker_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
@@ -138,3 +140,26 @@ def test_a_trial_bad_from_the_start_is_pruned_before_its_last_epoch(tmp_path: Pa
     log = Path(table[2]["log"]).read_text()
     trained = int(log.split("epochs trained")[1].split()[0])
     assert trained < 5, log
+
+
+def test_a_metric_no_trial_reports_stops_the_search_early_and_names_what_they_reported(tmp_path: Path) -> None:
+    space = write_space(tmp_path)
+    done = tune(tmp_path, "-j", "2", "--space", space, "--trials", "8", "--metric", "los", "--pruner", "none",
+                str(HERE / "objective.py"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "phalanx tune: error: no trial reported --metric 'los'; they reported loss" in done.stderr.splitlines()[-1]
+    table = rows(tmp_path / "tune-objective")  # the first 3 to end (and the one running beside the third)
+    assert 3 <= len(table) <= 4 and {row["state"] for row in table} == {"FAIL"}, table
+
+
+def test_the_search_fails_only_when_no_trial_reported_its_metric() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    assert unreported_metric(study, "loss") is None  # nothing ran (a --timeout, say)
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL))
+    assert "nor any other metric" in unreported_metric(study, "loss")
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL,
+                                              user_attrs={CURVE_ATTR: {"1": {"val_loss": 0.5, "accuracy": 0.7}}}))
+    assert "they reported accuracy, val_loss." in unreported_metric(study, "loss")
+    study.add_trial(optuna.trial.create_trial(value=0.5, user_attrs={CURVE_ATTR: {"1": {"loss": 0.5}}}))
+    assert unreported_metric(study, "loss") is None

@@ -87,6 +87,9 @@ def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
     runner.Runner(search, study, job, namespace.jobs, directory, namespace.timeout).run()
     for line in results.write(study, directory, search.metric):
         print(line, flush=True)
+    unreported = studies.unreported_metric(study, search.metric)
+    if unreported:
+        raise ConfigurationError(unreported)
     return 0
 
 

@@ -3,7 +3,9 @@
 Each trial runs the user's script under the launcher with the trial's id in its environment
 (see :mod:`phalanx.tune.trial`); its output goes to ``log.txt`` in its folder. When the job ends,
 the runner tells the study how: pruned (the script was told to stop), complete (the value is the
-metric's last report), or failed with the tail of its log.
+metric's last report), or failed with the tail of its log. Trials that end normally without ever
+reporting the metric suggest a misspelt ``--metric``: after a few of them, and none reporting it,
+no more trials start.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Runner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._processes: dict[int, subprocess.Popen[bytes]] = {}  # trial id -> its launcher
+        self._gave_up = False  # said that the metric looks wrong
 
     def run(self) -> None:
         """Run to the end; Ctrl-C stops every trial (they are taken over when the search starts again)."""
@@ -83,6 +86,12 @@ class Runner:
         """Ask for a trial unless enough are counted or running; None when this runner is done."""
         with self._lock:
             if len(studies.counted(self.study)) + len(studies.running(self.study)) >= self.search.trials:
+                return None
+            if studies.metric_looks_wrong(self.study, self.search.metric):
+                if not self._gave_up:
+                    self._gave_up = True
+                    self.say(f"phalanx tune: stopping: {studies.GIVE_UP_AFTER} trials ended without reporting "
+                             f"{self.search.metric!r} and none reported it; no more trials start")
                 return None
             trial = self.study.ask()
             if not studies.claim(self.study, trial, self.search.trials):
@@ -125,9 +134,14 @@ class Runner:
             self._tell(trial, value)
             self.say(f"trial {trial.number} complete: {self.search.metric} {value:.6g}")
         else:
-            why = (f"exit code {code}" if code else
-                   f"the script never reported {self.search.metric!r} (px.fit reports its epoch metrics; "
-                   "px.tune.report(step, **metrics) in a custom loop)")
+            if code:
+                why = f"exit code {code}"
+            else:
+                others = sorted(studies.reported([frozen]))
+                why = f"the script never reported {self.search.metric!r}, " + (
+                    f"only {', '.join(others)}" if others else "nor any metric (px.fit reports its epoch metrics; "
+                    "px.tune.report(step, **metrics) in a custom loop)")
+                studies.mark_without_metric(self.study, trial)
             studies.record_error(self.study, trial, f"{why}\n{_tail(log)}")
             self._tell(trial, state=TrialState.FAIL)
             self.say(f"trial {trial.number} failed ({why}); its log: {log}")

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -22,11 +23,13 @@ from phalanx.errors import ConfigurationError
 from phalanx.lifetime import is_alive
 from phalanx.tune.space import Space
 from phalanx.tune.storage import open_storage
+from phalanx.tune.trial import CURVE_ATTR
 
-RUNNER_ATTR, ALIVE_ATTR, INTERRUPTED_ATTR, SURPLUS_ATTR, ERROR_ATTR = (
-    "phalanx_runner", "phalanx_alive", "phalanx_interrupted", "phalanx_surplus", "phalanx_error")
+RUNNER_ATTR, ALIVE_ATTR, INTERRUPTED_ATTR, SURPLUS_ATTR, ERROR_ATTR, NO_METRIC_ATTR = (
+    "phalanx_runner", "phalanx_alive", "phalanx_interrupted", "phalanx_surplus", "phalanx_error", "phalanx_no_metric")
 ALIVE_EVERY_S = 5.0
 STALE_AFTER_S = 60.0
+GIVE_UP_AFTER = 3  # trials that ended normally without the metric, none reporting it: the metric's name is wrong
 
 
 @dataclass(frozen=True)
@@ -146,3 +149,35 @@ def mark_alive(study: optuna.Study, trial_ids: list[int]) -> None:
 
 def record_error(study: optuna.Study, trial: optuna.Trial, message: str) -> None:
     study._storage.set_trial_system_attr(trial._trial_id, ERROR_ATTR, message)
+
+
+def reported(trials: Iterable[FrozenTrial]) -> set[str]:
+    """The names of every metric the trials reported, at any step."""
+    return {name for trial in trials for metrics in trial.user_attrs.get(CURVE_ATTR, {}).values() for name in metrics}
+
+
+def mark_without_metric(study: optuna.Study, trial: optuna.Trial) -> None:
+    """``trial`` ended normally but never reported the search's metric (a sign its name is wrong)."""
+    study._storage.set_trial_system_attr(trial._trial_id, NO_METRIC_ATTR, True)
+
+
+def metric_looks_wrong(study: optuna.Study, metric: str) -> bool:
+    """Whether to start no more trials: ``GIVE_UP_AFTER`` trials ended normally without reporting
+    ``metric``, and no trial of the study ever reported it."""
+    trials = study.get_trials(deepcopy=False)
+    without = sum(bool(trial.system_attrs.get(NO_METRIC_ATTR)) for trial in trials if counts(trial))
+    return without >= GIVE_UP_AFTER and metric not in reported(trials)
+
+
+def unreported_metric(study: optuna.Study, metric: str) -> str | None:
+    """What to tell the user when no counted trial reported ``metric`` (None when one did, or none ran)."""
+    trials = counted(study)
+    if not trials or metric in reported(trials):
+        return None
+    others = sorted(reported(trials))
+    if not others:
+        return (f"no trial reported --metric {metric!r}, nor any other metric: the {len(trials)} trial(s) failed; "
+                "their errors are in trials.csv and their logs.")
+    return (f"no trial reported --metric {metric!r}; they reported {', '.join(others)}. Pass one of those as --metric "
+            f"in a new study (another --study-dir, or --study with --storage): this one keeps its {len(trials)} "
+            "failed trial(s).")
