@@ -15,8 +15,9 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+DEMO_DIR ?= runs/demo
 demo: $(STAMP)
-	$(BIN)/phalanx run -n 2 examples/digits.py
+	$(BIN)/phalanx run -n 2 examples/digits.py --checkpoint-dir $(DEMO_DIR) $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

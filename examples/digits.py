@@ -2,6 +2,7 @@
 
     phalanx run -n 2 examples/digits.py        # two workers
     python examples/digits.py                  # one worker: the same result
+    phalanx run -n 2 examples/digits.py --checkpoint-dir runs/demo   # what `make demo` runs: resumable
 
 The global batch is 64 whatever the number of workers; each worker takes its share of every
 batch, and gradients are averaged during backward. Under `phalanx tune` the batch size, the
@@ -23,7 +24,8 @@ parser.add_argument("--global-batch-size", type=int, default=64)
 parser.add_argument("--lr", type=float, default=2e-3, help="learning rate for a batch of 64")
 parser.add_argument("--lr-rule", choices=("linear", "constant"), default="linear",
                     help="scale the learning rate with the batch size (linear), or keep it (constant)")
-parser.add_argument("--checkpoint-dir", default=None)
+parser.add_argument("--checkpoint-dir", default=None,
+                    help="checkpoint every epoch into this folder, and resume from its latest checkpoint")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -59,3 +61,6 @@ history = px.fit(
 if px.is_master():
     print(f"validation accuracy after {args.epochs} epochs on {px.size()} workers: "
           f"{history['val_accuracy'][-1]:.2%}")
+    if args.checkpoint_dir:
+        print(f"checkpoints in {args.checkpoint_dir}/: run again to resume (or to be told training is complete), "
+              f"rm -r {args.checkpoint_dir} to start afresh")
