@@ -148,7 +148,8 @@ def test_a_metric_no_trial_reports_stops_the_search_early_and_names_what_they_re
                 str(HERE / "objective.py"))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "phalanx tune: error: no trial reported --metric 'los'; they reported loss" in done.stderr.splitlines()[-1]
-    table = rows(tmp_path / "tune-objective")  # the first 3 to end (and the one running beside the third)
+    assert "stopping: 3 trials ended without reporting 'los'" in done.stdout
+    table = rows(tmp_path / "tune-objective")  # the first 3 to end, and the one running beside the third
     assert 3 <= len(table) <= 4 and {row["state"] for row in table} == {"FAIL"}, table
 
 
@@ -163,3 +164,17 @@ def test_the_search_fails_only_when_no_trial_reported_its_metric() -> None:
     assert "they reported accuracy, val_loss." in unreported_metric(study, "loss")
     study.add_trial(optuna.trial.create_trial(value=0.5, user_attrs={CURVE_ATTR: {"1": {"loss": 0.5}}}))
     assert unreported_metric(study, "loss") is None
+
+
+def test_a_comet_grid_file_runs_its_grid_up_to_max_combo(tmp_path: Path) -> None:
+    space = write_space(tmp_path, {"algorithm": "grid",
+                                   "spec": {"metric": "loss", "objective": "minimize", "gridSize": 3, "maxCombo": 2},
+                                   "parameters": {"x": {"type": "float", "min": 0, "max": 4},
+                                                  "y": {"type": "discrete", "values": [0, 1]}}}, "comet.json")
+    done = tune(tmp_path, "-j", "2", "--space", space, "--pruner", "none", "--seed", "0", str(HERE / "objective.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "phalanx tune: 2 trials: spec.maxCombo is 2" in done.stdout
+    table = rows(tmp_path / "tune-objective")
+    combinations = {(float(row["x"]), int(row["y"])) for row in table}
+    assert len(table) == 2 and len(combinations) == 2 and {row["state"] for row in table} == {"COMPLETE"}
+    assert {x for x, _ in combinations} <= {0.0, 2.0, 4.0}  # 3 values from min to max, of 3 x 2 combinations

@@ -49,7 +49,8 @@ def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentP
     option("-j", "--jobs", type=int, default=1, metavar="J", help="trials at a time (default 1)")
     option("-n", "--nproc-per-node", type=int, default=1, metavar="P", help="workers per trial (default 1)")
     option("--space", metavar="FILE", help="the search space, JSON or YAML (phalanx's or Comet's format)")
-    option("--trials", type=int, metavar="T", help="trials the study ends with")
+    option("--trials", type=int, metavar="T", help="trials the study ends with (at most the space file's maxCombo, "
+                                                    "and a grid's size, which stand for it when it is left out)")
     option("--sampler", choices=SAMPLERS, help="default: the space file's algorithm, else tpe")
     option("--metric", metavar="NAME", help="what to optimise (default: the space file's, else val_loss)")
     option("--direction", choices=("minimize", "maximize"), help="default: the space file's, else minimize")
@@ -103,20 +104,23 @@ def _configure(namespace: argparse.Namespace,
     script = Path(namespace.target).resolve()
     if not script.is_file():
         raise ConfigurationError(f"script {namespace.target!r} not found (from {os.getcwd()}).")
-    if namespace.space is None or namespace.trials is None:
-        raise ConfigurationError("--space FILE and --trials T are required.")
+    if namespace.space is None:
+        raise ConfigurationError("--space FILE is required.")
     for flag, value in (("--trials", namespace.trials), ("-j", namespace.jobs), ("-n", namespace.nproc_per_node)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigurationError(f"{flag} must be at least 1, got {value}.")
     space = spaces.load(namespace.space)
+    sampler = namespace.sampler or space.sampler or "tpe"
+    space.check(sampler)  # a grid's values, what the sampler can draw: said before anything is created
+    trials, why = space.trials(namespace.trials, sampler)
+    if trials != namespace.trials:
+        print(f"phalanx tune: {trials} trials: {why}", flush=True)
     directory = Path(namespace.study_dir or f"tune-{script.stem}").resolve()
     search = studies.Search(
         space=space, storage=namespace.storage or journal_url(directory), name=namespace.study or script.stem,
-        trials=namespace.trials, metric=namespace.metric or space.metric or "val_loss",
+        trials=trials, metric=namespace.metric or space.metric or "val_loss",
         direction=namespace.direction or space.direction or "minimize",
-        sampler=namespace.sampler or space.sampler or "tpe", pruner=namespace.pruner, seed=namespace.seed)
-    if search.sampler == "grid":
-        space.grid()  # every parameter must have finite values: say so before anything is created
+        sampler=sampler, pruner=namespace.pruner, seed=namespace.seed)
     return search, runner.Job(script, tuple(script_args), namespace.nproc_per_node), directory
 
 

@@ -21,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from phalanx.errors import ConfigurationError
 from phalanx.lifetime import is_alive
-from phalanx.tune.space import Space
+from phalanx.tune.space import PriorSampler, Space
 from phalanx.tune.storage import open_storage
 from phalanx.tune.trial import CURVE_ATTR
 
@@ -50,7 +50,7 @@ class Search:
 def open_study(search: Search) -> optuna.Study:
     """Create the study, or open it again with the same direction."""
     study = optuna.create_study(storage=open_storage(search.storage), study_name=search.name,
-                                direction=search.direction, sampler=_sampler(search), pruner=pruner(search.pruner),
+                                direction=search.direction, sampler=sampler(search), pruner=pruner(search.pruner),
                                 load_if_exists=True)
     wanted = optuna.study.StudyDirection.MAXIMIZE if search.direction == "maximize" else \
         optuna.study.StudyDirection.MINIMIZE
@@ -63,12 +63,13 @@ def open_study(search: Search) -> optuna.Study:
     return study
 
 
-def _sampler(search: Search) -> optuna.samplers.BaseSampler:
+def sampler(search: Search) -> optuna.samplers.BaseSampler:
+    """Optuna's sampler of the search; the random one draws parameters with a normal prior from it."""
     if search.sampler == "grid":
         return optuna.samplers.GridSampler(search.space.grid(), seed=search.seed)
     if search.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=search.seed)
-    return optuna.samplers.RandomSampler(seed=search.seed)
+    return PriorSampler(search.space.priors(), seed=search.seed)
 
 
 def pruner(name: str) -> optuna.pruners.BasePruner:
