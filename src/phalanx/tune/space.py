@@ -164,8 +164,8 @@ class Space:
             parameter = next(iter(self.priors().values()))
             raise ConfigurationError(
                 f"{self.source}: parameter {parameter.name!r} has scalingType {parameter.prior_name()!r}, which the "
-                f"random sampler draws from; {sampler} would not: use algorithm 'random' (or --sampler random), or "
-                "scalingType 'uniform' or 'loguniform'.")
+                f"random sampler draws from; the {sampler} sampler would not: use algorithm 'random' (or --sampler "
+                "random), or scalingType 'uniform' or 'loguniform'.")
 
     def trials(self, requested: int | None, sampler: str) -> tuple[int, str]:
         """How many trials the search ends with, and what decided it: ``--trials``, capped by the
