@@ -167,11 +167,43 @@ def test_first_failure_sets_exit_code_and_stops_the_others(tmp_path: Path) -> No
     result = run_phalanx("-n", "3", str(script), str(pids), cwd=tmp_path)
     assert time.monotonic() - started < 15, "the sleeping workers were not stopped promptly"
     assert result.returncode == 3, result.stderr
-    summary = result.stderr.split("phalanx run: ", 1)[1]
-    assert "rank 1" in summary and "exit code 3" in summary
-    assert "Traceback (most recent call last)" in summary and 'ValueError("boom")' in summary
-    assert "[1] ValueError: boom" in result.stderr  # the live, prefixed copy
+    assert result.stderr.count("Traceback (most recent call last)") == 1  # the live, prefixed copy only
+    summary = result.stderr.split("\n[1] ValueError: boom\n", 1)[1].splitlines()
+    assert summary[:3] == ["phalanx run: worker rank 1 (pid %d) failed with exit code 3: ValueError: boom"
+                           % int((pids / "1.pid").read_text()),
+                           "phalanx run: its traceback is above, in the lines prefixed [1].",
+                           "phalanx run: why the others stopped:"]
+    assert sorted(summary[3:]) == ["  [0] stopped by the launcher: signal SIGTERM (exit code 143)",
+                                   "  [2] stopped by the launcher: exit code 9"]
     assert_all_gone(read_pids(pids, 3, within_s=0))
+
+
+# Rank 1 prints its traceback, then takes a second to exit (a slow teardown) with code 3; rank 0
+# sees it and fails at once, as the peer of a dead rank does. Rank 0 exits first; rank 1 failed first.
+CAUSE_EXITS_LAST = """\
+    import os, sys, time, traceback
+    marker = os.path.join(sys.argv[1], "failed")
+    if os.environ["PHALANX_RANK"] == "1":
+        try:
+            raise ValueError("the cause")
+        except ValueError:
+            traceback.print_exc()
+        open(marker, "w").close()
+        time.sleep(1.0)
+        sys.exit(3)
+    while not os.path.exists(marker):
+        time.sleep(0.02)
+    raise ConnectionError("peer rank 1 is gone")
+"""
+
+
+def test_the_first_traceback_is_shown_once_and_the_others_in_one_line(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "cause.py", CAUSE_EXITS_LAST)
+    result = run_phalanx("-n", "2", str(script), str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.count("Traceback") == 1 and "[1] ValueError: the cause" in result.stderr, result.stderr
+    assert "worker rank 1 (pid" in result.stderr and "failed with exit code 3: ValueError: the cause" in result.stderr
+    assert result.stderr.endswith("\n  [0] ConnectionError: peer rank 1 is gone; exit code 1\n"), result.stderr
 
 
 def test_workers_ignoring_sigterm_are_killed_with_their_children(tmp_path: Path) -> None:

@@ -126,8 +126,9 @@ def test_elastic_launcher_survives_a_lost_worker(tmp_path: Path) -> None:
     result = subprocess.run(phalanx_command("-n", "3", "--min-workers", "2", str(script), str(tmp_path)),
                             cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "worker rank 1 (pid" in result.stderr and "was lost: exit code 3" in result.stderr
+    assert "worker rank 1 (pid" in result.stderr and "was lost: exit code 3: rank 1 gives up;" in result.stderr
     assert "[1] rank 1 gives up" in result.stderr and "the elastic job completed" in result.stderr
+    assert "---- last" not in result.stderr  # its stderr is shown once, live
 
 
 def test_elastic_launcher_stops_every_worker_on_sigterm(tmp_path: Path) -> None:

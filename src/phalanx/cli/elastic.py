@@ -23,14 +23,13 @@ from typing import IO
 
 from phalanx.cli.config import LaunchConfig, WorkerSpec
 from phalanx.cli.coordinator import Coordinator, CoordinatorConfig
-from phalanx.cli.launcher import Supervisor
+from phalanx.cli.launcher import TAIL_WAIT_S, Supervisor
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
-from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit
+from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit, error_line
 from phalanx.comm.membership import MEMBER_ENV, START_TIMEOUT_S, Keys
 
 MEMBER_COUNTER = Keys.PREFIX + "next_member"
 STOP_WAIT_S = 60.0  # after the job failed: how long survivors get to save a checkpoint and exit
-TAIL_WAIT_S = 0.5
 LAUNCHERS_WAIT_S = 2.0  # node 0, once no member runs: how long other launchers get to finish
 
 
@@ -135,6 +134,10 @@ class ElasticSupervisor(Supervisor):
         self.board.wait_for_others(time.monotonic() + LAUNCHERS_WAIT_S, lambda: bool(self._stop_signals))
         self.coordinator.stop()
 
+    def failure_candidates(self) -> list[Worker]:
+        """Lost workers were reported when lost: only a parameter server's failure ends the launch."""
+        return [worker for worker in self.workers if worker not in self.lost]
+
     def _signal_all(self, signum: int) -> None:
         """Only workers still running: a lost worker's group was killed when it exited."""
         for worker in self.workers:
@@ -162,15 +165,14 @@ class ElasticSupervisor(Supervisor):
                 self._log(f"phalanx run: killed worker rank {worker.rank} (pid {worker.pid}): {why}.")
 
     def _report_lost(self, worker: Worker) -> None:
+        """Show its traceback (held back until now), then one line: how it ended, with what error."""
         worker.join_output(time.monotonic() + TAIL_WAIT_S)
+        worker.show_held()
         why = self._killed.get(self.members[worker])
-        lines = [f"phalanx run: worker rank {worker.rank} (pid {worker.pid}) was lost: "
-                 f"{describe_exit(worker.exit_code or 0)}{f' ({why})' if why else ''}; the elastic job goes on "
-                 f"without it while at least {self.config.min_world_size} worker(s) remain."]
-        if worker.stderr_tail:
-            lines += [f"---- last {len(worker.stderr_tail)} line(s) of rank {worker.rank}'s stderr ----",
-                      *worker.stderr_tail, f"---- end of rank {worker.rank}'s stderr ----"]
-        self._log("\n".join(lines))
+        error = error_line(worker.stderr_tail, worker.exit_code or 0)
+        how = describe_exit(worker.exit_code or 0) + (f" ({why})" if why else "") + (f": {error}" if error else "")
+        self._log(f"phalanx run: worker rank {worker.rank} (pid {worker.pid}) was lost: {how}; the elastic job goes "
+                  f"on without it while at least {self.config.min_world_size} worker(s) remain.")
 
     def _result(self) -> LaunchResult:
         lost = "; ".join(f"rank {w.rank} (pid {w.pid}) {describe_exit(w.exit_code or 0)}" for w in self.lost)
@@ -185,7 +187,8 @@ class ElasticSupervisor(Supervisor):
             return LaunchResult(exit_code=next((w.exit_code for w in self.workers if w.exit_code), 1))
         first = self.lost[0]
         return LaunchResult(exit_code=first.exit_code or 1, failure=WorkerFailure(
-            first.rank, first.pid, first.exit_code or 1, tuple(first.stderr_tail), 0))
+            first.rank, first.pid, first.exit_code or 1, tuple(first.stderr_tail),
+            label=first.label if self.config.prefix_output else ""))
 
     def _completed_elsewhere(self) -> bool:
         try:

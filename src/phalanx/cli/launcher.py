@@ -11,6 +11,11 @@ of them saw a worker fail (see :class:`phalanx.cli.network.JobBoard`), so every 
 workers. Elastic jobs
 (``--min-workers``, ``--nnodes MIN:MAX``) use :class:`phalanx.cli.elastic.ElasticSupervisor`,
 which overrides the exit policy. This module imports nothing from phalanx's training layers.
+
+When workers fail, often together, the launcher reports the first to fail: the first to print a
+traceback (or, printing none, to exit with an error), not the first to exit. Tracebacks are held
+back from the terminal until then (:class:`phalanx.cli.workers.HeldTraceback`): the first
+failure's is shown once, and every other worker's reason to stop takes one line of the summary.
 """
 
 from __future__ import annotations
@@ -21,15 +26,25 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Sequence
 
 from phalanx.cli.config import LaunchConfig, WorkerSpec, job_id
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, connect_store, host_store
-from phalanx.cli.workers import LaunchResult, OutputRelay, Worker, WorkerFailure, describe_exit
+from phalanx.cli.workers import (
+    HOLD_S,
+    LaunchResult,
+    OutputRelay,
+    Worker,
+    WorkerFailure,
+    compact_labels,
+    describe_exit,
+    error_line,
+)
 from phalanx.comm import shm
 
 BOARD_POLL_S = 0.25
 OUTPUT_DRAIN_S = 3.0
+TAIL_WAIT_S = 0.5  # for the last lines of an exited worker's traceback to come through the pipe
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +83,8 @@ class Supervisor:
                 self.terminate_all()
                 shm.remove_job_segments(job_id())  # a worker killed before its segment was unlinked
                 self.leave_job()
+                for worker in self.workers:  # nothing held back is lost: what was not summed up shows now
+                    worker.show_held()
         return result
 
     def start_workers(self, master_port: int) -> None:
@@ -89,6 +106,7 @@ class Supervisor:
         while True:
             if self._stop_signals:
                 return self._stopped_by_signal(self._stop_signals[0])
+            self._show_stale_tracebacks()
             try:
                 worker = self._exits.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
@@ -97,6 +115,8 @@ class Supervisor:
                     return result
                 continue
             self._exits_handled += 1
+            if worker.exit_code == 0:  # a traceback it printed was an error it handled
+                worker.show_held()
             result = self.on_worker_exit(worker)
             if result is not None:
                 return result
@@ -114,13 +134,14 @@ class Supervisor:
         failure = self.board.failure()
         if failure is None:
             return None
-        running = sum(w.running for w in self.workers)
+        running = {w for w in self.workers if w.running}
         self._aborting = True
         self.terminate_all()
-        return LaunchResult(exit_code=int(failure.get("exit_code", 1)), message=(
-            f"phalanx run: worker rank {failure.get('rank')} on node {failure.get('node')} failed with "
-            f"{describe_exit(int(failure.get('exit_code', 1)))}; stopped the {running} running worker(s) here. "
-            "Its launcher's output names the cause."))
+        lines = [f"phalanx run: worker rank {failure.get('rank')} on node {failure.get('node')} failed with "
+                 f"{describe_exit(int(failure.get('exit_code', 1)))}; stopped the {len(running)} running worker(s) "
+                 "here. Its launcher's output names the cause. Why the workers here stopped:",
+                 *(f"  {line}" for line in why_stopped(self.workers, running))]
+        return LaunchResult(exit_code=int(failure.get("exit_code", 1)), message="\n".join(lines))
 
     def leave_job(self) -> None:
         """Multi-host: tell the other launchers this one is done; node 0 keeps the store up until all are."""
@@ -170,18 +191,57 @@ class Supervisor:
                     return
 
     def _failed(self, worker: Worker) -> LaunchResult:
+        """The launch failed: show the first failure's traceback, stop everyone, sum up why each stopped."""
         if worker.spec.server is not None:  # its workers' channels broke: let them say so before stopping them
             self._wait_all_exited(time.monotonic() + self.config.grace_s)
-        others = sum(w.running for w in self.workers)
-        if self.board is not None:  # the other hosts stop their workers too
-            self._aborting = True
-            with contextlib.suppress(RuntimeError, OSError):
-                self.board.post_failure(self.config.node_rank, worker.rank, worker.exit_code or 1)
+        first = self._first_failure()
+        if first.held.since is not None and not first.running:  # the last lines of its traceback
+            first.join_output(time.monotonic() + TAIL_WAIT_S)
+        first.show_held()
+        running = {w for w in self.workers if w.running}
+        self._tell_other_hosts(first)
         self.terminate_all()  # the tail is complete only once the worker's stderr reached EOF
-        assert worker.exit_code is not None
-        failure = WorkerFailure(worker.rank, worker.pid, worker.exit_code, tuple(worker.stderr_tail), others,
-                                worker.name)
-        return LaunchResult(exit_code=worker.exit_code, failure=failure)
+        assert first.exit_code is not None
+        others = why_stopped([w for w in self.workers if w is not first], running, first.stderr_tail)
+        failure = WorkerFailure(first.rank, first.pid, first.exit_code, tuple(first.stderr_tail), others,
+                                first.name, first.label if self.config.prefix_output else "")
+        return LaunchResult(exit_code=first.exit_code, failure=failure)
+
+    def _first_failure(self) -> Worker:
+        """The worker that began to fail first: the earliest traceback or exit with an error.
+
+        Workers often fail together (the same error on every rank, or a peer's death seen from the
+        other side), and the cause may exit last. One still running behind its traceback gets until
+        the traceback is :data:`HOLD_S` old to exit; by then it handled the error and is not failing.
+        """
+        while True:
+            first = min((w for w in self.failure_candidates() if w.failing_since is not None),
+                        key=lambda w: w.failing_since or 0.0)
+            if not first.running:
+                return first
+            if time.monotonic() > (first.failing_since or 0.0) + HOLD_S:
+                first.show_held()  # no longer a candidate
+            else:
+                first.exited.wait(POLL_INTERVAL_S)
+
+    def _tell_other_hosts(self, failed: Worker) -> None:
+        """Multi-host: post the failure, so that the other hosts' launchers stop their workers too."""
+        if self.board is None:
+            return
+        self._aborting = True
+        with contextlib.suppress(RuntimeError, OSError):
+            self.board.post_failure(self.config.node_rank, failed.rank, failed.exit_code or 1)
+
+    def failure_candidates(self) -> list[Worker]:
+        """The workers whose failure may be the one that ends the launch."""
+        return self.workers
+
+    def _show_stale_tracebacks(self) -> None:
+        """Tracebacks held :data:`HOLD_S` while their workers run on: handled errors, shown now."""
+        for worker in self.workers:
+            since = worker.held.since
+            if since is not None and time.monotonic() > since + HOLD_S:
+                worker.show_held()
 
     def _stopped_by_signal(self, signum: int) -> LaunchResult:
         running = sum(w.running for w in self.workers)
@@ -226,6 +286,29 @@ class Supervisor:
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         self._stop_signals.append(signum)  # only a list append: safe whatever the main thread holds
+
+
+def why_stopped(workers: list[Worker], stopped: set[Worker], first_tail: Sequence[str] = ()) -> tuple[str, ...]:
+    """One line per reason workers stopped, naming them by their output prefix (``[0,2-5] ...``).
+
+    Their tracebacks held back are dropped for the error they end with; ``first_tail`` is the
+    first failure's stderr, whose error the others' may repeat.
+    """
+    first_error = error_line(first_tail)
+    reasons: dict[str, list[str]] = {}
+    for worker in workers:
+        reasons.setdefault(_why(worker, worker in stopped, first_error), []).append(worker.label)
+    return tuple(f"[{compact_labels(labels)}] {why}" for why, labels in reasons.items())
+
+
+def _why(worker: Worker, stopped: bool, first_error: str) -> str:
+    """Why one worker stopped: the error its traceback ended with, if any, and how it ended."""
+    how = describe_exit(worker.exit_code) if worker.exit_code is not None else "still running"
+    end = f"stopped by the launcher: {how}" if stopped else f"had already ended: {how}"
+    error = worker.withhold()
+    if not error:
+        return end
+    return f"{'the same error' if error == first_error else error}; {end if stopped else how}"
 
 
 def _stop_signals() -> list[int]:

@@ -38,10 +38,15 @@ lost worker does not stop the others, which re-form the group and go on from the
 (see docs/elastic.md); workers started later join at a step boundary."""
 
 RUN_EPILOG = """\
+failures:
+  A worker's traceback is held back until it exits (for 3 s while it runs on: an error it
+  handled). The first worker to fail, which printed its traceback first, shows it in full
+  (with its [rank] prefix); the launcher then names that worker and its error, and gives one line
+  per reason the others stopped ("[0,2-5] stopped by the launcher: signal SIGTERM ...").
+
 exit status:
   0        every worker exited with 0 (elastic: the job completed, lost workers are listed)
-  N        the first worker to fail exited with N (128+S if killed by signal S);
-           its rank and the tail of its stderr are repeated at the end
+  N        the first worker to fail exited with N (128+S if killed by signal S)
   1        elastic: fewer than --min-workers workers remained
   2        invalid arguments
   130/143  the launcher was stopped by SIGINT (Ctrl-C) / SIGTERM
@@ -293,7 +298,7 @@ def launch(config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] 
     """Run ``config`` to the end, print why it failed if it did, and return the launcher's exit code."""
     supervisor = ElasticSupervisor if config.elastic else Supervisor
     result = supervisor(config, stdout, stderr).run()
-    message = result.describe()
+    message = result.describe(shown=True)  # the workers' stderr went where the message goes
     if message:
         err = stderr or sys.stderr
         err.write(message + "\n")
