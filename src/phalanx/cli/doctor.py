@@ -71,10 +71,16 @@ communication, optimizer), the transport's measured figures, oversubscription, t
 scale, predicted step times from 1 to 1024 workers, and recommendations ranked by predicted gain.
 See docs/doctor.md."""
 
+EPILOG = """\
+examples (in a checkout of phalanx):
+  phalanx doctor -n 2 examples/digits.py
+  phalanx doctor -n 4 --bandwidth 1,10 --trace trace.json examples/digits.py --epochs 3"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``phalanx doctor`` parser: its options, then the script and the script's arguments untouched."""
-    parser = argparse.ArgumentParser(prog="phalanx doctor", description=DESCRIPTION, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="phalanx doctor", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (default 2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="K",
                         help=f"measured steps after the warm-up (default {DEFAULT_STEPS}; half are timed, half give "

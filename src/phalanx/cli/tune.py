@@ -33,12 +33,18 @@ study directory (output in its log.txt). The script reads its parameters with
 custom loops call `px.tune.report(step, **metrics)`. At the end: DIR/trials.csv, the best trial,
 and plots (metric against each parameter, runtime per trial, learning curves)."""
 
+EPILOG = """\
+examples (in a checkout of phalanx):
+  phalanx tune -j 2 --space examples/batch_size_space.json --trials 8 --metric val_accuracy \\
+      --direction maximize examples/digits.py --epochs 3
+  phalanx tune --report tune-digits                 # print and draw the results again"""
+
 
 def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentParser, frozenset[str]]:
     """Add ``tune`` to the ``phalanx`` command line; return it and its options that take a value."""
     tune = commands.add_parser("tune", help="run a hyperparameter search of trials launched like `phalanx run`",
-                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-                               allow_abbrev=False)
+                               description=DESCRIPTION, epilog=EPILOG,
+                               formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     value_options = []
 
     def option(*flags: str, **kwargs: object) -> None:
