@@ -96,6 +96,11 @@ class LaunchConfig:
         return self.servers_per_node * self.nnodes
 
     @property
+    def local_processes(self) -> int:
+        """The processes this launcher starts: its workers and its parameter servers."""
+        return self.nproc_per_node + self.servers_per_node
+
+    @property
     def elastic(self) -> bool:
         """Whether lost workers are survived and new ones admitted (``--min-workers``, ``--nnodes MIN:MAX``)."""
         return self.min_workers is not None or self.max_nnodes is not None
@@ -332,6 +337,24 @@ def this_host_index(hosts: list[tuple[str, int]]) -> int:
         f"this host ({socket.gethostname()}) is not among the hosts {[h for h, _ in hosts]}: name it as its host "
         "name or address, or pass --node-rank to say which entry it is."
     )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which workers inherit)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def oversubscription(processes: int, cores: int) -> str | None:
+    """What ``processes`` busy processes on ``cores`` cores cost, in words; None when each has a core.
+
+    The commands that start workers (``run``, ``bench comm``) say it, and add what to change.
+    """
+    if processes <= cores:
+        return None
+    return (f"{processes} processes on {cores} cores: each runs about {processes / cores:.1f}x slower than on a "
+            "core of its own")
 
 
 def job_id() -> str:

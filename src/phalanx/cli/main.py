@@ -1,29 +1,56 @@
 """The ``phalanx`` command line. ``main(argv)`` parses, runs, and returns the exit code.
 
 Everything after the script (or the ``-m`` module) belongs to the script, untouched: the
-launcher's own options must come before it, as with ``python`` itself.
+launcher's own options must come before it, as with ``python`` itself and torchrun. A command
+that looks written for another launcher (phalanx's options after the script, ``python`` as the
+script) gets a one-line hint with the command meant.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shlex
 import sys
-from typing import IO, Sequence
+from dataclasses import dataclass
+from typing import IO, Mapping, Sequence
 
 from phalanx.cli import tune
 from phalanx.cli.config import (
     DEFAULT_GRACE_S,
     DEFAULT_MASTER_ADDR,
     LaunchConfig,
+    oversubscription,
     parse_hosts,
     read_hostfile,
     this_host_index,
+    usable_cores,
 )
 from phalanx.cli.elastic import ElasticSupervisor
 from phalanx.cli.launcher import Supervisor
 from phalanx.errors import ConfigurationError
 
 PROG = "phalanx"
+INTERPRETER = re.compile(r"python[\d.]*")  # `phalanx run python train.py`, mpirun's habit
+
+MAIN_EPILOG = """\
+examples (in a checkout of phalanx; every command's --help has more):
+  phalanx run -n 2 examples/digits.py                        # train on 2 local workers
+  phalanx tune -j 2 --space examples/batch_size_space.json --trials 8 \\
+      examples/digits.py --epochs 3                          # a hyperparameter search
+  phalanx doctor -n 2 examples/digits.py                     # where the step time goes
+  phalanx bench comm -n 2                                    # this host's links and allreduce"""
+
+DOCTOR_HELP = "say where a script's step time goes, and what more workers buy"
+BENCH_HELP = "measure latency, bandwidth and allreduce between local workers"
+BENCH_COMM_DESCRIPTION = """\
+Measure latency and bandwidth between workers of this host and time every allreduce algorithm
+against its alpha-beta prediction (see docs/transport.md)."""
+BENCH_COMM_EPILOG = """\
+examples:
+  phalanx bench comm -n 2
+  phalanx bench comm -n 4 --reps 15 --transport gloo"""
 
 RUN_DESCRIPTION = """\
 Start N worker processes on this host running a script or module, each told its rank through
@@ -38,6 +65,12 @@ lost worker does not stop the others, which re-form the group and go on from the
 (see docs/elastic.md); workers started later join at a step boundary."""
 
 RUN_EPILOG = """\
+arguments:
+  Everything after the script (or -m module) goes to the script, as with python and torchrun;
+  phalanx's options go before it. phalanx's options after the script, or `python` as the script,
+  print a one-line hint with the command meant (-- before the script silences it). More workers
+  than cores print a warning: each then runs slower, and every collective waits for the slowest.
+
 failures:
   A worker's traceback is held back until it exits (for 3 s while it runs on: an error it
   handled). The first worker to fail, which printed its traceback first, shows it in full
@@ -52,6 +85,7 @@ exit status:
   130/143  the launcher was stopped by SIGINT (Ctrl-C) / SIGTERM
 
 examples:
+  phalanx run -n 2 examples/digits.py                        # in a checkout of phalanx
   phalanx run -n 4 train.py --epochs 3
   phalanx run -np 2 train.py                                 # horovodrun's spelling of -n
   phalanx run -np 8 -H node1:4,node2:4 train.py              # on each host: derives nnodes, node rank, -n
@@ -84,19 +118,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     """``phalanx run``: parse, validate, launch. Configuration errors print one line and exit 2."""
-    parser, value_options = build_parser()
-    launcher_args, target_args = split_run_argv(argv, value_options)
+    parser, flags = build_parser()
+    launcher_args, target_args = split_run_argv(argv, flags.values)
     namespace = parser.parse_args(["run", *launcher_args, *(["--", target_args[0]] if target_args else [])])
+    explicit = argv[len(launcher_args):len(launcher_args) + 1] == ["--"]
+    hint = None if explicit else run_hint(launcher_args, target_args, flags)
     try:
         config = config_from_args(namespace, target_args[1:])
         config.validate()
-        return launch(config)
     except ConfigurationError as error:
-        print(f"{PROG} run: error: {error}", file=sys.stderr)
+        _print(f"{PROG} run: error: {error}", hint)
         return 2
-    except OSError as error:  # e.g. the process table is full
-        print(f"{PROG} run: error: could not start the workers: {error}", file=sys.stderr)
-        return 1
+    _print(hint, oversubscription_warning(config, "run"))
+    return _launch(config, "run")
 
 
 def _tune(argv: list[str]) -> int:
@@ -116,21 +150,35 @@ def _tune(argv: list[str]) -> int:
 
 def _bench_comm(argv: list[str]) -> int:
     """``phalanx bench comm [-n N] [--reps R] [--transport T]``: measure the link and every algorithm."""
-    parser = argparse.ArgumentParser(prog=f"{PROG} bench comm", description=(
-        "Measure latency and bandwidth between workers of this host and time every allreduce algorithm "
-        "against its alpha-beta prediction (see docs/transport.md)."), allow_abbrev=False)
-    parser.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (default 2)")
-    parser.add_argument("--reps", type=int, default=7, help="repetitions per measurement (default 7)")
-    parser.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo"))
-    namespace = parser.parse_args(argv)
+    namespace = build_parser()[0].parse_args(["bench", "comm", *argv])
     config = LaunchConfig(target="phalanx.cli.bench_comm", is_module=True, nproc_per_node=namespace.nproc_per_node,
                           args=("--reps", str(namespace.reps), "--transport", namespace.transport), prefix_output=False)
     try:
         config.validate()
     except ConfigurationError as error:
-        print(f"{PROG} bench comm: error: {error}", file=sys.stderr)
+        _print(f"{PROG} bench comm: error: {error}")
         return 2
-    return launch(config)
+    _print(oversubscription_warning(config, "bench comm"))
+    return _launch(config, "bench comm")
+
+
+def _launch(config: LaunchConfig, command: str) -> int:
+    """:func:`launch`, with a store that cannot be hosted or workers that cannot start said in one line."""
+    try:
+        return launch(config)
+    except ConfigurationError as error:
+        _print(f"{PROG} {command}: error: {error}")
+        return 2
+    except OSError as error:  # e.g. the process table is full
+        _print(f"{PROG} {command}: error: could not start the workers: {error}")
+        return 1
+
+
+def _print(*lines: str | None) -> None:
+    """Print each line that is not None to stderr."""
+    for line in lines:
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
 
 
 def _other_command(argv: list[str]) -> int:
@@ -141,6 +189,64 @@ def _other_command(argv: list[str]) -> int:
         parser.print_help(sys.stderr)
         return 2
     return 0
+
+
+def oversubscription_warning(config: LaunchConfig, command: str) -> str | None:
+    """A warning when this host's workers outnumber its cores: what it costs and the -n that avoids it."""
+    cores = usable_cores()
+    cost = oversubscription(config.local_processes, cores)
+    if cost is None:
+        return None
+    fewer = cores - config.servers_per_node
+    return (f"{PROG} {command}: warning: {cost}, and every collective waits for the slowest worker"
+            + (f"; -n {fewer} gives each worker a core." if fewer > 0 else "."))
+
+
+def run_hint(launcher_args: Sequence[str], target_args: Sequence[str], flags: RunFlags) -> str | None:
+    """A one-line hint with the command meant, when ``python`` is the script (mpirun's habit) or the
+    script's arguments hold phalanx's own options that phalanx was not given (they go to the script)."""
+    if not target_args:
+        return None
+    interpreter = INTERPRETER.fullmatch(os.path.basename(target_args[0])) is not None
+    words = _without_interpreter(target_args[1:]) if interpreter else list(target_args)
+    head = 2 if words[:1] == ["-m"] else 1
+    moved, kept = _misplaced_options(words[head:], _given(launcher_args, flags), flags)
+    if not (interpreter or moved):
+        return None
+    reasons = [f"phalanx runs the script with its own Python, so leave out {target_args[0]!r}"] if interpreter else []
+    if moved:
+        reasons.append(f"{shlex.join(moved)} after the script goes to the script, not to phalanx")
+    command = shlex.join([PROG, "run", *launcher_args, *moved, *words[:head], *kept])
+    return (f"{PROG} run: hint: {'; '.join(reasons)}. You may mean: {command}"
+            + (" (-- before the script silences this)" if moved else ""))
+
+
+def _without_interpreter(args: Sequence[str]) -> list[str]:
+    """``python``'s arguments without its own options (``-u``, ``-O``...): the script or ``-m module`` on."""
+    index = 0
+    while index < len(args) and args[index].startswith("-") and args[index] != "-m":
+        index += 1
+    return list(args[index:])
+
+
+def _misplaced_options(args: Sequence[str], given: set[str], flags: RunFlags) -> tuple[list[str], list[str]]:
+    """Split the script's arguments into phalanx's options that phalanx was not given (with their
+    values), and the rest. Nothing after ``--`` is looked at."""
+    moved: list[str] = []
+    kept: list[str] = []
+    index = 0
+    while index < len(args) and args[index] != "--":
+        flag = args[index].split("=", 1)[0]
+        width = 2 if args[index] in flags.values else 1
+        misplaced = flag in flags.dest and flags.dest[flag] not in given
+        (moved if misplaced else kept).extend(args[index:index + width])
+        index += width
+    return moved, kept + list(args[index:])
+
+
+def _given(args: Sequence[str], flags: RunFlags) -> set[str]:
+    """What the ``phalanx run`` options among ``args`` set (``-n`` and ``--nproc-per-node`` alike)."""
+    return {flags.dest[word.split("=", 1)[0]] for word in args if word.split("=", 1)[0] in flags.dest}
 
 
 def split_run_argv(argv: Sequence[str], value_options: frozenset[str]) -> tuple[list[str], list[str]]:
@@ -227,20 +333,44 @@ def parse_nnodes(text: str) -> tuple[int, int | None]:
         ) from None
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
-    """The ``phalanx`` parser, and the ``run`` options that take a value (for :func:`split_run_argv`)."""
+@dataclass(frozen=True)
+class RunFlags:
+    """``phalanx run``'s own options: each flag's destination (aliases share one), those taking a value."""
+
+    dest: Mapping[str, str]
+    values: frozenset[str]
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, RunFlags]:
+    """The ``phalanx`` parser, listing every command, and ``run``'s options (for :func:`split_run_argv`)."""
     from phalanx import __version__
 
     parser = argparse.ArgumentParser(prog=PROG, description="Distributed data-parallel training for PyTorch.",
+                                     epilog=MAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = commands.add_parser("run", help="start N local workers and supervise them", description=RUN_DESCRIPTION,
                               epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                               allow_abbrev=False)
-    run_values = _add_run_arguments(run)
+    flags = _add_run_arguments(run)
     tune.add_parser(commands)
-    return parser, run_values
+    commands.add_parser("doctor", help=DOCTOR_HELP, add_help=False)  # listed; phalanx.cli.doctor parses it
+    _add_bench_parser(commands)
+    return parser, flags
+
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    """``phalanx bench comm``: the only benchmark so far."""
+    bench = commands.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP, epilog=BENCH_COMM_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    comm = benchmarks.add_parser("comm", help="latency, bandwidth and every allreduce algorithm",
+                                 description=BENCH_COMM_DESCRIPTION, epilog=BENCH_COMM_EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    comm.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (default 2)")
+    comm.add_argument("--reps", type=int, default=7, help="repetitions per measurement (default 7)")
+    comm.add_argument("--transport", default="auto", choices=("auto", "shm", "gloo"))
 
 
 def tune_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
@@ -249,15 +379,18 @@ def tune_parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     return tune.add_parser(parser.add_subparsers(dest="command"))
 
 
-def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
+def _add_run_arguments(run: argparse.ArgumentParser) -> RunFlags:
+    dests: dict[str, str] = {}
     value_options: list[str] = []
 
     def option(*flags: str, **kwargs: object) -> None:
-        run.add_argument(*flags, **kwargs)  # type: ignore[arg-type]
+        action = run.add_argument(*flags, **kwargs)  # type: ignore[arg-type]
+        dests.update(dict.fromkeys(flags, action.dest))
         if kwargs.get("action") is None:
             value_options.extend(flags)
 
-    option("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="worker processes to start (default 1)")
+    option("-n", "--nproc-per-node", type=int, default=1, metavar="N",
+           help="worker processes to start (default 1; more than this host's cores prints a warning)")
     option("-np", "--num-proc", dest="np", type=int, default=None, metavar="N",
            help="horovodrun's -np: workers in all, shared equally among the hosts (-H, or --nnodes)")
     option("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
@@ -287,11 +420,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> frozenset[str]:
     option("--no-prefix", action="store_true", help="do not prefix output lines with the worker's [rank]")
     run.add_argument("target", nargs="?", metavar="script.py | module", help="the script, or with -m the module")
     run.add_argument("args", nargs="*", metavar="args", help="arguments passed to the script unchanged")
-    return frozenset(value_options)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return RunFlags(dests, frozenset(value_options))
 
 
 def launch(config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
@@ -304,3 +433,7 @@ def launch(config: LaunchConfig, stdout: IO[str] | None = None, stderr: IO[str] 
         err.write(message + "\n")
         err.flush()
     return result.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
