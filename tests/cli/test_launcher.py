@@ -204,7 +204,7 @@ def test_the_first_traceback_is_shown_once_and_the_others_in_one_line(tmp_path: 
     assert result.returncode == 3, result.stderr
     assert result.stderr.count("Traceback") == 1 and "[1] ValueError: the cause" in result.stderr, result.stderr
     assert "worker rank 1 (pid" in result.stderr and "failed with exit code 3: ValueError: the cause" in result.stderr
-    assert result.stderr.endswith("\n  [0] ConnectionError: peer rank 1 is gone; exit code 1\n"), result.stderr
+    assert result.stderr.endswith("\n  [0] exit code 1: ConnectionError: peer rank 1 is gone\n"), result.stderr
 
 
 def test_workers_ignoring_sigterm_are_killed_with_their_children(tmp_path: Path) -> None:

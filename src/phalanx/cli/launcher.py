@@ -304,11 +304,11 @@ def why_stopped(workers: list[Worker], stopped: set[Worker], first_tail: Sequenc
 def _why(worker: Worker, stopped: bool, first_error: str) -> str:
     """Why one worker stopped: the error its traceback ended with, if any, and how it ended."""
     how = describe_exit(worker.exit_code) if worker.exit_code is not None else "still running"
-    end = f"stopped by the launcher: {how}" if stopped else f"had already ended: {how}"
     error = worker.withhold()
-    if not error:
-        return end
-    return f"{'the same error' if error == first_error else error}; {end if stopped else how}"
+    error = "the same error" if error and error == first_error else error
+    if stopped:
+        return f"stopped by the launcher: {how}" + (f", after {error}" if error else "")
+    return f"{how}: {error}" if error else f"had already ended: {how}"
 
 
 def _stop_signals() -> list[int]:
