@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "phalanx"
-BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime", "profile", "faults"}
+BOTTOM = {"errors", "sharding", "rng", "atomic", "lifetime", "profile", "faults", "host"}
 
 # What each part of the package may import besides itself. Anything not listed is refused.
 ALLOWED: dict[str, set[str]] = {
@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "sharding": {"errors"},
     "atomic": {"errors"},
     "lifetime": set(),
+    "host": {"errors"},
     "rng": set(),
     "profile": set(),
     "faults": {"errors"},

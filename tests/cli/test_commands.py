@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from phalanx.cli import main as cli
-from phalanx.cli.config import LaunchConfig, oversubscription
+from phalanx.cli.config import LaunchConfig
+from phalanx.host import oversubscription
 
 COMMANDS = (["run"], ["tune"], ["doctor"], ["bench"], ["bench", "comm"])
 

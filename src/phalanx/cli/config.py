@@ -339,24 +339,6 @@ def this_host_index(hosts: list[tuple[str, int]]) -> int:
     )
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which workers inherit)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def oversubscription(processes: int, cores: int) -> str | None:
-    """What ``processes`` busy processes on ``cores`` cores cost, in words; None when each has a core.
-
-    The commands that start workers (``run``, ``bench comm``) say it, and add what to change.
-    """
-    if processes <= cores:
-        return None
-    return (f"{processes} processes on {cores} cores: each runs about {processes / cores:.1f}x slower than on a "
-            "core of its own")
-
-
 def job_id() -> str:
     """This launch's id on this host (the launcher's pid): names the workers' shared-memory segments."""
     return str(os.getpid())

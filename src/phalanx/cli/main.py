@@ -21,15 +21,14 @@ from phalanx.cli.config import (
     DEFAULT_GRACE_S,
     DEFAULT_MASTER_ADDR,
     LaunchConfig,
-    oversubscription,
     parse_hosts,
     read_hostfile,
     this_host_index,
-    usable_cores,
 )
 from phalanx.cli.elastic import ElasticSupervisor
 from phalanx.cli.launcher import Supervisor
 from phalanx.errors import ConfigurationError
+from phalanx.host import ensure_open_files, oversubscription, usable_cores
 
 PROG = "phalanx"
 INTERPRETER = re.compile(r"python[\d.]*")  # `phalanx run python train.py`, mpirun's habit
@@ -126,6 +125,7 @@ def _run(argv: list[str]) -> int:
     try:
         config = config_from_args(namespace, target_args[1:])
         config.validate()
+        ensure_open_files(config.local_processes)
     except ConfigurationError as error:
         _print(f"{PROG} run: error: {error}", hint)
         return 2

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from phalanx.atomic import write_text_atomically
 from phalanx.errors import ConfigurationError
+from phalanx.host import usable_cores
 from phalanx.tune import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:  # Optuna is imported when a search runs, not by every `phalanx run`
@@ -42,7 +43,7 @@ examples (in a checkout of phalanx):
 
 def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentParser, frozenset[str]]:
     """Add ``tune`` to the ``phalanx`` command line; return it and its options that take a value."""
-    tune = commands.add_parser("tune", help="run a hyperparameter search of trials launched like `phalanx run`",
+    tune = commands.add_parser("tune", help="search hyperparameters, each trial a `phalanx run` job",
                                description=DESCRIPTION, epilog=EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     value_options = []
@@ -90,7 +91,7 @@ def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
         print(f"phalanx tune: trial(s) {taken} were interrupted; their parameters run again", flush=True)
     done = len(studies.counted(study))
     print(f"phalanx tune: study {search.name!r} in {search.storage}: {done} of {search.trials} trials done", flush=True)
-    runner.warn_oversubscription(namespace.jobs, job.workers, os.cpu_count(), lambda line: print(line, flush=True))
+    runner.warn_oversubscription(namespace.jobs, job.workers, usable_cores(), lambda line: print(line, flush=True))
     runner.Runner(search, study, job, namespace.jobs, directory, namespace.timeout).run()
     for line in results.write(study, directory, search.metric):
         print(line, flush=True)

@@ -24,6 +24,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
+from phalanx.host import oversubscription
 from phalanx.lifetime import die_with_parent
 from phalanx.tune import study as studies
 from phalanx.tune.study import Search
@@ -189,9 +190,9 @@ def _format(params: dict) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
-def warn_oversubscription(jobs: int, workers: int, cores: int | None, say: Callable[[str], None]) -> None:
-    """J x P processes beyond the cores: say what it costs."""
-    if cores and jobs * workers > cores:
-        say(f"phalanx tune: warning: {jobs} trials x {workers} workers = {jobs * workers} processes on {cores} cores: "
-            f"each trial runs about {jobs * workers / cores:.1f}x slower than alone, and its runtime says so; "
+def warn_oversubscription(jobs: int, workers: int, cores: int, say: Callable[[str], None]) -> None:
+    """J x P processes beyond the cores: say what it costs, in the words ``phalanx run`` uses."""
+    cost = oversubscription(jobs * workers, cores)
+    if cost is not None:
+        say(f"phalanx tune: warning: {jobs} trials x {workers} workers: {cost}, and a trial's runtime says so; "
             f"-j {max(1, cores // workers)} keeps one core per worker.")

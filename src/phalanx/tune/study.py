@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from phalanx.errors import ConfigurationError
 from phalanx.lifetime import is_alive
+from phalanx.tune.pruning import pruner
 from phalanx.tune.space import PriorSampler, Space
 from phalanx.tune.storage import open_storage
 from phalanx.tune.trial import CURVE_ATTR
@@ -70,18 +71,6 @@ def sampler(search: Search) -> optuna.samplers.BaseSampler:
     if search.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=search.seed)
     return PriorSampler(search.space.priors(), seed=search.seed)
-
-
-def pruner(name: str) -> optuna.pruners.BasePruner:
-    """``median``: stop a trial whose metric is worse than the median of earlier trials at the same
-    step, once two trials completed and from its second report on.
-
-    Steps count from 1 (``px.fit`` reports epoch 1, 2, ...) while Optuna's warm-up counts from 0:
-    ``n_warmup_steps=2`` makes step 2 the first step a trial can be stopped at.
-    """
-    if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2)
-    return optuna.pruners.NopPruner()
 
 
 def counts(trial: FrozenTrial) -> bool:

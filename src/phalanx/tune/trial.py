@@ -84,7 +84,7 @@ def _trial() -> "optuna.Trial":
     import optuna  # only inside a search: a plain `import phalanx` does not pay for Optuna
 
     from phalanx.tune.storage import load_study
-    from phalanx.tune.study import pruner
+    from phalanx.tune.pruning import pruner
 
     study = load_study(os.environ[STORAGE_ENV], os.environ[STUDY_ENV], pruner(os.environ.get(PRUNER_ENV, "none")))
     return optuna.trial.Trial(study, int(os.environ[TRIAL_ENV]))
