@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from phalanx.comm import cost
-from phalanx.doctor import advice, noise, predict, trace
+from phalanx.doctor import advice, noise, predict, report, trace
 from phalanx.doctor.diagnosis import diagnose_records
 from phalanx.doctor.measured import summarize
 from tests.doctor import records as fake
@@ -157,3 +157,22 @@ def test_accumulation_pays_the_exposed_allreduce_and_the_optimizer_once_per_k_ba
         assert found[str(k)].step_s == pytest.approx(per_batch)
         assert found[str(k)].gain == pytest.approx(whole.step_s / per_batch) and found[str(k)].gain > 1.03
         assert found[str(k)].action.startswith(f"px.fit(..., global_batch_size={k * 64}, accumulate_steps={k})")
+
+
+def test_a_busy_host_is_measured_and_nothing_is_predicted_from_it() -> None:
+    def loaded(record: dict, other_cores: float) -> dict:  # 1 s measured, 0.9 s of it each worker's own CPU
+        workers = record["local_size"]
+        record["load"] = [{"wall": 0.0, "own_cpu": 0.0, "host_busy": 0.0},
+                          {"wall": 1.0, "own_cpu": 0.9, "host_busy": 0.9 * workers + other_cores}]
+        return record
+
+    alone = loaded(fake.record(0, world=1, local=1), 0.0)
+    quiet = diagnose_records([loaded(fake.record(rank), 0.05) for rank in range(2)], [alone], [])
+    assert quiet.measured.other_load == pytest.approx(0.05) and quiet.reference.other_load == pytest.approx(0.0)
+    assert quiet.predictions and not quiet.model.busy
+    busy = diagnose_records([loaded(fake.record(rank), 1.0) for rank in range(2)], [alone], [])
+    assert busy.model.busy and not busy.predictions and not busy.recommendations
+    assert all(reason.startswith("the host was busy: other processes kept 1.0 of its 2 cores")
+               for _, reason in busy.not_predicted)
+    text = report.render(busy, "train.py")
+    assert "Predicted: nothing; the host was busy" in text and "Recommendations: none; the host was too busy" in text

@@ -36,13 +36,15 @@ def test_doctor_reports_json_trace_plot_and_the_noise_scale_within_a_factor_two(
     assert measured["world_size"] == 2 and measured["global_batch"] == 64 and measured["step_s"] > 0
     assert measured["compute_s"] > 0 and measured["bytes_per_step"] > 0 and found["reference"]["world_size"] == 1
     rows = {(p["world_size"], p["bandwidth_gbit"]) for p in found["predicted"] + found["not_predicted"]}
-    assert rows >= {(1, None), (3, None), (1024, 1.0)} and {(1, None), (2, None)} <= {
-        (p["world_size"], p["bandwidth_gbit"]) for p in found["predicted"]}
+    predicted = {(p["world_size"], p["bandwidth_gbit"]) for p in found["predicted"]}
+    assert rows >= {(1, None), (3, None), (1024, 1.0)}
+    busy = any("the host was busy" in p["reason"] for p in found["not_predicted"])  # then nothing is predicted
+    assert busy != ({(1, None), (2, None)} <= predicted) and plot.exists() == bool(predicted)
     truth = exact_noise_scale()
     assert truth / 2 <= found["noise_scale"]["b_simple"] <= 2 * truth, (found["noise_scale"], truth)
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X" and e["name"] == "backward"} == {0, 1}
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert busy or plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_script_shorter_than_the_measured_steps_is_refused_with_what_to_do(tmp_path: Path) -> None:

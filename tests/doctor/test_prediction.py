@@ -1,7 +1,8 @@
 """The doctor's predictions held against separate runs of a real script (examples/digits.py).
 
 A prediction is only as good as the host is steady: where a run saw the host busy, its time says
-nothing about another run's, and the doctor must say that it cannot predict instead.
+nothing about another run's (2 workers of digits beside one busy loop took 7 ms a step in one run
+and 19 ms in the next), and the doctor must say that it cannot predict instead.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ def test_predictions_for_1_and_2_workers_agree_with_separate_runs_within_15_perc
     assert diagnosis.measured.global_batch == 64 and diagnosis.measured.short_batches == (29,)
     assert diagnosis.model is not None
     predicted = {p.layout: p.step_s for p in diagnosis.predictions}
-    if diagnosis.model.busy:  # then only what was measured is given, and the rest is said to be unpredictable
-        assert set(predicted) == {Layout(1, 1), Layout(2, 2)}
-        assert all("the host was busy" in reason for _, reason in diagnosis.not_predicted)
+    if diagnosis.model.busy:  # then nothing is predicted, and the report says why
+        assert not predicted and all("the host was busy" in reason for _, reason in diagnosis.not_predicted)
         return
     for workers in (1, 2):
         separate = quiet_run(workers, diagnosis.measured.cores)

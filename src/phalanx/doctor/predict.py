@@ -124,11 +124,11 @@ BUSY_SHARE = 0.1
 
 def unpredictable(model: ScalingModel, layout: Layout) -> str | None:
     """Why ``layout`` cannot be predicted from the measured runs (``None``: it can)."""
+    if model.busy:  # even a measured layout's next run may differ several times over
+        return (f"the host was busy: other processes kept {model.other_load:.1f} of its {model.cores} cores busy while "
+                "measuring, and what they will take from any run cannot be told; rerun on a quiet host")
     if layout in (Layout(1, 1), Layout(model.measured_world, model.measured_local)):
         return None  # the line and the allreduce's factor reproduce the measured runs
-    if model.busy:
-        return (f"the host was busy: other processes kept {model.other_load:.1f} of its {model.cores} cores busy while "
-                "measuring, and how much they take of another layout cannot be told; rerun on a quiet host")
     if model.slowdown(layout.local) > 1 and layout.local != model.measured_local:
         return (f"more workers x threads than the {model.cores} cores take turns in ways two runs cannot tell; "
                 "measure such a count: phalanx doctor -n WORKERS")

@@ -87,7 +87,8 @@ def _noise(diagnosis: Diagnosis) -> str:
 
 def _predictions(diagnosis: Diagnosis) -> str:
     if not diagnosis.predictions:
-        return ""
+        reasons = sorted({reason for _, reason in diagnosis.not_predicted})
+        return "\n".join(f"Predicted: nothing; {reason}" for reason in reasons)
     run = diagnosis.measured
     lines = ["Predicted (on this host: the measured global batch; across hosts: the measured batch per worker):",
              "  workers  per host  link          global batch     step  samples/s  efficiency  from"]
