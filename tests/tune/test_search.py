@@ -46,14 +46,20 @@ def rows(directory: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(table))
 
 
-def test_trials_run_two_at_a_time_and_leave_results(tmp_path: Path) -> None:
-    space = write_space(tmp_path)
-    done = tune(tmp_path, "-j", "2", "--space", space, "--trials", "4", "--metric", "loss", "--seed", "1",
-                "--pruner", "none", str(HERE / "objective.py"))
+COMET_GRID = {"algorithm": "grid", "spec": {"metric": "loss", "objective": "minimize", "gridSize": 3, "maxCombo": 4},
+              "parameters": {"x": {"type": "float", "min": 0, "max": 4}, "y": {"type": "discrete", "values": [0, 1, 10]}}}
+
+
+def test_trials_of_a_comet_grid_run_two_at_a_time_up_to_max_combo_and_leave_results(tmp_path: Path) -> None:
+    space = write_space(tmp_path, COMET_GRID, "comet.json")
+    done = tune(tmp_path, "-j", "2", "--space", space, "--seed", "1", "--pruner", "none", str(HERE / "objective.py"))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "phalanx tune: 4 trials: spec.maxCombo is 4" in done.stdout
     directory = tmp_path / "tune-objective"
     table = rows(directory)
     assert [row["number"] for row in table] == ["0", "1", "2", "3"] and {row["state"] for row in table} == {"COMPLETE"}
+    combinations = {(float(row["x"]), int(row["y"])) for row in table}
+    assert len(combinations) == 4 and {x for x, _ in combinations} <= {0.0, 2.0, 4.0}  # 3 values, min to max
     for row in table:  # the value is the last report of the trial's own parameters
         assert float(row["value"]) == pytest.approx((float(row["x"]) - 2) ** 2 + int(row["y"]) + 1 / 3)
         assert Path(row["log"]).read_text().startswith("[0] objective")
@@ -164,17 +170,3 @@ def test_the_search_fails_only_when_no_trial_reported_its_metric() -> None:
     assert "they reported accuracy, val_loss." in unreported_metric(study, "loss")
     study.add_trial(optuna.trial.create_trial(value=0.5, user_attrs={CURVE_ATTR: {"1": {"loss": 0.5}}}))
     assert unreported_metric(study, "loss") is None
-
-
-def test_a_comet_grid_file_runs_its_grid_up_to_max_combo(tmp_path: Path) -> None:
-    space = write_space(tmp_path, {"algorithm": "grid",
-                                   "spec": {"metric": "loss", "objective": "minimize", "gridSize": 3, "maxCombo": 2},
-                                   "parameters": {"x": {"type": "float", "min": 0, "max": 4},
-                                                  "y": {"type": "discrete", "values": [0, 1]}}}, "comet.json")
-    done = tune(tmp_path, "-j", "2", "--space", space, "--pruner", "none", "--seed", "0", str(HERE / "objective.py"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "phalanx tune: 2 trials: spec.maxCombo is 2" in done.stdout
-    table = rows(tmp_path / "tune-objective")
-    combinations = {(float(row["x"]), int(row["y"])) for row in table}
-    assert len(table) == 2 and len(combinations) == 2 and {row["state"] for row in table} == {"COMPLETE"}
-    assert {x for x, _ in combinations} <= {0.0, 2.0, 4.0}  # 3 values from min to max, of 3 x 2 combinations
