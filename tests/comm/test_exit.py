@@ -19,9 +19,10 @@ from tests.cli.test_launcher import phalanx_command, worker_env, write_script
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the launcher uses POSIX process groups")
 
-# Without the exit hook 40 % of two-worker runs aborted (DESIGN-NOTES): 8 runs miss a regression
-# with probability 0.6**8 < 2 %; two run at a time, which crowds the exits onto the cores as well.
-RUNS, AT_ONCE = 8, 2
+# Without the exit hook 40 % of two-worker runs aborted (DESIGN-NOTES): 6 runs miss a regression
+# with probability 0.6**6 < 5 % (and the other tests here end jobs too); two run at a time, which
+# crowds the exits onto the cores as well.
+RUNS, AT_ONCE = 6, 2
 
 SHORT = """\
     import torch
