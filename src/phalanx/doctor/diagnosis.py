@@ -91,5 +91,5 @@ def assumptions(run: Measured, reference: Measured | None, model: predict.Scalin
     loads = [m.other_load for m in (run, reference) if m is not None and m.other_load is not None]
     if loads:
         found.append(f"the host as quiet as measured: other processes kept {max(loads):.2f} of its {run.cores} cores "
-                     f"busy while measuring (above {predict.BUSY_SHARE * run.cores:.1f}, only the measured rows are given)")
+                     f"busy while measuring (above {predict.BUSY_SHARE * run.cores:.1f}, nothing is predicted)")
     return found
