@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+import phalanx
 from phalanx.comm.environment import detect, first_slurm_host
 from phalanx.errors import ConfigurationError
 
@@ -66,3 +70,33 @@ def test_inconsistent_variables_get_clear_errors() -> None:
         detect({"RANK": "4", "WORLD_SIZE": "4"})
     with pytest.raises(ConfigurationError, match="not an integer"):
         detect({"RANK": "zero", "WORLD_SIZE": "4"})
+
+
+def test_phalanx_launch_variables_are_read_once_into_the_launch_info_under_any_environment() -> None:
+    info = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "PHALANX_TIMEOUT": "7.5",
+                   "PHALANX_JOB_ID": "1234", "PHALANX_ELASTIC": "1", "PHALANX_MEMBER_ID": "3"})
+    assert (info.source, info.timeout_s, info.job_id, info.elastic_member) == ("torchrun", 7.5, "1234", 3)
+    plain = detect({})
+    assert (plain.source, plain.timeout_s, plain.job_id, plain.elastic_member) == ("single", None, "", None)
+    assert detect({"PHALANX_MEMBER_ID": "3"}).elastic_member is None  # a member id counts in an elastic launch only
+
+
+@pytest.mark.parametrize("variables, named", [({"PHALANX_TIMEOUT": "soon"}, "'soon' is not a number of seconds"),
+                                              ({"PHALANX_TIMEOUT": "-1"}, "must be positive seconds"),
+                                              ({"PHALANX_ELASTIC": "1", "PHALANX_MEMBER_ID": "x"}, "not a member id")])
+def test_a_bad_phalanx_launch_variable_is_named(variables: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigurationError, match=named):
+        detect(variables)
+
+
+def test_nothing_but_the_environment_module_reads_a_launch_variable() -> None:
+    package = Path(phalanx.__file__).parent
+    names = ("TIMEOUT_ENV", "JOB_ENV", "ELASTIC_ENV", "MEMBER_ENV", "PHALANX_TIMEOUT", "PHALANX_JOB_ID",
+             "PHALANX_ELASTIC", "PHALANX_MEMBER_ID", "PHALANX_RANK", "MASTER_ADDR", "WORLD_SIZE", '"RANK"')
+    reading = re.compile(r"environ(\.get\(|\[)[^\n]*(" + "|".join(names) + ")")
+    readers = {path.relative_to(package).as_posix() for path in package.rglob("*.py")
+               if "cli" not in path.parts and reading.search(path.read_text())}
+    # detect() reads the mapping it is given (os.environ by default); faults.py, the bottom layer's
+    # fault injection, keys its plan by the initial rank before any init
+    assert readers == {"faults.py"}, readers

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping
 
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, interface_towards, is_loopback
-from phalanx.comm.membership import ELASTIC_ENV
+from phalanx.comm.environment import ELASTIC_ENV, JOB_ENV, TIMEOUT_ENV
 from phalanx.errors import ConfigurationError
 
 WORKER_MAIN = str(Path(__file__).with_name("worker_main.py"))
@@ -199,9 +199,9 @@ class LaunchConfig:
         variables = dict(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
                          PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0",
-                         PHALANX_SERVERS=str(self.num_servers), PHALANX_JOB_ID=job_id())
+                         PHALANX_SERVERS=str(self.num_servers), **{JOB_ENV: job_id()})
         if self.timeout_s is not None:
-            variables["PHALANX_TIMEOUT"] = f"{self.timeout_s:g}"
+            variables[TIMEOUT_ENV] = f"{self.timeout_s:g}"
         if not is_loopback(self.master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
             interface = interface_towards(self.master_addr)
             if interface:  # Gloo would otherwise pick the address the host name resolves to

@@ -26,7 +26,8 @@ from phalanx.cli.coordinator import Coordinator, CoordinatorConfig
 from phalanx.cli.launcher import TAIL_WAIT_S, Supervisor
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
 from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit, error_line
-from phalanx.comm.membership import MEMBER_ENV, START_TIMEOUT_S, Keys
+from phalanx.comm.environment import MEMBER_ENV
+from phalanx.comm.membership import START_TIMEOUT_S, Keys
 
 MEMBER_COUNTER = Keys.PREFIX + "next_member"
 STOP_WAIT_S = 60.0  # after the job failed: how long survivors get to save a checkpoint and exit

@@ -1,19 +1,27 @@
-"""How this process was launched: one small class per launch environment.
+"""How this process was launched: one small class per launch environment, read once.
 
 Each environment reads only variables; :func:`detect` asks them in a fixed order and returns
-the first that recognises the process. Adding a scheduler means adding one class here.
+the first that recognises the process. Adding a scheduler means adding one class here. The
+variables phalanx's own launcher adds under any of them (the timeout, the job's id, an elastic
+member's id) are read here too, so this module is the whole launch contract: nothing else in the
+package reads a launch variable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from phalanx.errors import ConfigurationError
 
 DEFAULT_MASTER_PORT = 29500
+TIMEOUT_ENV = "PHALANX_TIMEOUT"  # seconds bounding the rendezvous and every collective
+JOB_ENV = "PHALANX_JOB_ID"  # the launcher's: names this job's shared-memory segments
+ELASTIC_ENV = "PHALANX_ELASTIC"  # "1": an elastic launch, whose coordinator admits members
+MEMBER_ENV = "PHALANX_MEMBER_ID"  # this worker's id among an elastic job's members
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,9 @@ class LaunchInfo:
     role: str = "worker"  # or "server": a parameter server (``phalanx run --servers``)
     server_rank: int = -1  # a server's index among the job's servers
     num_servers: int = 0  # parameter servers in the job
+    timeout_s: float | None = None  # $PHALANX_TIMEOUT; None: px.init's argument or the default
+    job_id: str = ""  # the launcher's job id; empty: the workers agree on one through the store
+    elastic_member: int | None = None  # this worker's member id in an elastic launch, else None
 
 
 class Environment:
@@ -209,10 +220,26 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     for environment_type in ENVIRONMENTS:
         environment = environment_type(env)
         if environment.detected():
-            info = environment.info()
+            info = dataclasses.replace(environment.info(), **phalanx_variables(env))
             _validate(info)
             return info
-    return LaunchInfo(source="single")
+    return LaunchInfo(source="single", **phalanx_variables(env))
+
+
+def phalanx_variables(env: Mapping[str, str]) -> dict[str, Any]:
+    """The variables phalanx's launcher adds under any launch environment, as LaunchInfo fields."""
+    raw = env.get(TIMEOUT_ENV)
+    try:
+        timeout_s = float(raw) if raw else None
+    except ValueError:
+        raise ConfigurationError(f"${TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
+    if timeout_s is not None and timeout_s <= 0:
+        raise ConfigurationError(f"${TIMEOUT_ENV} must be positive seconds, got {raw!r}.")
+    member = env.get(MEMBER_ENV) if env.get(ELASTIC_ENV) == "1" else None
+    if member is not None and not member.isdigit():
+        raise ConfigurationError(f"${MEMBER_ENV}={member!r} is not a member id; launch with `phalanx run`.")
+    return {"timeout_s": timeout_s, "job_id": env.get(JOB_ENV, ""),
+            "elastic_member": int(member) if member is not None else None}
 
 
 def _validate(info: LaunchInfo) -> None:

@@ -23,8 +23,6 @@ from typing import Any
 from phalanx import faults
 from phalanx.errors import CollectiveTimeoutError, WorkerFailedError
 
-ELASTIC_ENV = "PHALANX_ELASTIC"
-MEMBER_ENV = "PHALANX_MEMBER_ID"
 HEARTBEAT_INTERVAL_S = 0.25
 WATCH_INTERVAL_S = 0.05
 START_TIMEOUT_S = 60.0  # generation 0 waits at least this long for workers still starting

@@ -27,8 +27,6 @@ from phalanx.comm import algorithms, shm
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.membership import (
-    ELASTIC_ENV,
-    MEMBER_ENV,
     START_TIMEOUT_S,
     ElasticClient,
     Keys,
@@ -41,8 +39,6 @@ from phalanx.comm.membership import (
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
 
 DEFAULT_TIMEOUT_S = 300.0
-TIMEOUT_ENV = "PHALANX_TIMEOUT"
-JOB_ENV = "PHALANX_JOB_ID"  # the launcher's: names this job's shared-memory segments
 TRANSPORTS = ("auto", "shm", "gloo")
 
 logger = logging.getLogger(__name__)
@@ -88,7 +84,7 @@ def init(backend: str | None = None, timeout: float | None = None, transport: st
     if _runtime is not None:
         return
     info = detect()
-    timeout_s = _resolve_timeout(timeout)
+    timeout_s = _resolve_timeout(timeout, info)
     backend = _resolve_backend(backend)
     if transport not in TRANSPORTS:
         raise ConfigurationError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}.")
@@ -99,8 +95,8 @@ def init(backend: str | None = None, timeout: float | None = None, transport: st
     device = _select_device(backend, info)
     if dist.is_initialized():
         _runtime = _adopt_existing_group(info, timeout_s, device)
-    elif _elastic_launch():
-        _runtime = _init_elastic(info, timeout_s, backend, device, transport)
+    elif info.elastic_member is not None:
+        _runtime = _init_elastic(info, info.elastic_member, timeout_s, backend, device, transport)
     elif info.world_size == 1:  # no group; the store only where parameter servers wait for this worker
         _runtime = _Runtime(info, timeout_s, backend, device,
                             store=_connect_store(info, timeout_s) if info.num_servers else None)
@@ -231,7 +227,7 @@ def server_rank() -> int:
 
 def timeout() -> float:
     """The timeout in seconds that bounds the rendezvous and every collective."""
-    return _runtime.timeout_s if _runtime else _resolve_timeout(None)
+    return _runtime.timeout_s if _runtime else _resolve_timeout(None, detect())
 
 
 def device() -> torch.device:
@@ -320,13 +316,10 @@ def _require_runtime() -> _Runtime:
     return _runtime
 
 
-def _resolve_timeout(timeout: float | None) -> float:
+def _resolve_timeout(timeout: float | None, info: LaunchInfo) -> float:
+    """``px.init``'s ``timeout``, else the launch's ``$PHALANX_TIMEOUT``, else the default."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        try:
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
-        except ValueError:
-            raise ConfigurationError(f"${TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
+        timeout = info.timeout_s if info.timeout_s is not None else DEFAULT_TIMEOUT_S
     if timeout <= 0:
         raise ConfigurationError(f"timeout must be positive seconds, got {timeout}.")
     return float(timeout)
@@ -417,7 +410,7 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
     why_not = "the backend is NCCL" if backend != "gloo" else "this system has no /dev/shm" if not shm.available() \
         else None
     hosts = _hosts(info, store, generation) if why_not is None else {}  # store traffic only where it can matter
-    host = _host_key()
+    host = _host_key(info)
     sizes = {len(ranks) for ranks in hosts.values()}
     why_not = why_not or ("hosts run different numbers of workers" if len(sizes) > 1
                           else "every host runs a single worker" if sizes == {1} else None)
@@ -429,7 +422,7 @@ def _open_shm(info: LaunchInfo, store: Any, generation: int, transport: str, bac
     local = hosts[host]
     index = local.index(info.rank)
     cross = _cross_host_groups(hosts, index, timeout_s) if len(hosts) > 1 else None
-    name = shm.segment_name(_job_id(store), generation)
+    name = shm.segment_name(_job_id(store, info), generation)
     key = f"{_prefix(generation)}shm/{host}"
     group = _created_by_first(index == 0, key, store, timeout_s,
                               lambda create: shm.SharedMemoryGroup(name, index, len(local), timeout_s, create, cross))
@@ -465,17 +458,17 @@ def _cross_host_groups(hosts: dict[str, list[int]], mine: int, timeout_s: float)
     return groups[mine]
 
 
-def _host_key() -> str:
+def _host_key(info: LaunchInfo) -> str:
     """This rank's host for shared memory: the host name and its launcher (ranks of different
     launchers, say in network namespaces of one machine, count as different hosts: each launcher
     names its own segments)."""
-    return f"{socket.gethostname()}/{os.environ.get(JOB_ENV, '')}"
+    return f"{socket.gethostname()}/{info.job_id}"
 
 
 def _hosts(info: LaunchInfo, store: Any, generation: int) -> dict[str, list[int]]:
     """The ranks of each host in this generation, exchanged through the store."""
     prefix = f"{_prefix(generation)}host/"
-    store.set(f"{prefix}{info.rank}", _host_key())
+    store.set(f"{prefix}{info.rank}", _host_key(info))
     keys = [f"{prefix}{rank}" for rank in range(info.world_size)]
     store.wait(keys)
     hosts: dict[str, list[int]] = {}
@@ -484,11 +477,10 @@ def _hosts(info: LaunchInfo, store: Any, generation: int) -> dict[str, list[int]
     return hosts
 
 
-def _job_id(store: Any) -> str:
+def _job_id(store: Any, info: LaunchInfo) -> str:
     """The launcher's job id, or one agreed through the store (other launchers)."""
-    job = os.environ.get(JOB_ENV)
-    if job:
-        return job
+    if info.job_id:
+        return info.job_id
     return store.compare_set("phalanx/job", "", secrets.token_hex(4)).decode()
 
 
@@ -586,21 +578,16 @@ def _next_generation(reason: str, generation: int, info: LaunchInfo, timeout_s: 
             _leave_group()
 
 
-def _elastic_launch() -> bool:
-    return os.environ.get(ELASTIC_ENV) == "1" and MEMBER_ENV in os.environ
-
-
 def _rendezvous_timeout(timeout_s: float) -> float:
     """How long a worker waits for the coordinator: it may first wait out a silent member's heartbeat
     and then a member's rejoining (each within the timeout), or workers still starting."""
     return max(2.0 * timeout_s, START_TIMEOUT_S) + 30.0
 
 
-def _init_elastic(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device,
+def _init_elastic(info: LaunchInfo, member: int, timeout_s: float, backend: str, device: torch.device,
                   transport: str = "auto") -> _Runtime:
     """Join generation 0, or, when the job already runs, wait as a world of one for admission."""
     global _elastic
-    member = int(os.environ[MEMBER_ENV])
     store = _connect_store(info, timeout_s)
     _elastic = ElasticClient(store, member)
     return _next_generation("start", -1, info, timeout_s, backend, device, store, transport)
