@@ -120,13 +120,20 @@ def test_the_grouped_broadcast_gives_every_rank_roots_tensors() -> None:
         assert all(torch.equal(got, want) for got, want in zip(received, expected)), rank
 
 
-def _mismatched_allreduce() -> str:
+def _mismatched_allreduce() -> tuple[str, str, bool, float]:
+    """The message, the in-place form's message, whether its tensor kept its values (through shared
+    memory the check travels with the data), and a sum right after (the ranks are in step)."""
     shape = (2, 3) if px.rank() == 0 else (3, 2)
-    try:
-        px.allreduce(torch.ones(shape))
-    except px.CollectiveMismatchError as error:
-        return str(error)
-    return "no error"
+    messages = []
+    mine = torch.full(shape, px.rank() + 1.0)
+    for call in (lambda: px.allreduce(torch.ones(shape)), lambda: px.allreduce_(mine)):
+        try:
+            call()
+            messages.append("no error")
+        except px.CollectiveMismatchError as error:
+            messages.append(str(error))
+    kept = torch.equal(mine, torch.full(shape, px.rank() + 1.0))
+    return messages[0], messages[1], kept, px.allreduce(torch.ones(1)).item()
 
 
 def _mismatched_dtype_and_operation() -> list[str]:
@@ -147,11 +154,12 @@ def _mismatched_dtype_and_operation() -> list[str]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shape_mismatch_raises_on_every_rank_naming_ranks_and_shapes(world_size: int) -> None:
     started = time.monotonic()
-    messages = run_workers(_mismatched_allreduce, world_size)
+    outcomes = run_workers(_mismatched_allreduce, world_size)
     assert time.monotonic() - started < 30
-    for message in messages:
+    for message, in_place, kept, total in outcomes:
         assert "rank 0: allreduce(torch.float32, shape=[2, 3])" in message
         assert "rank 1: allreduce(torch.float32, shape=[3, 2])" in message
+        assert in_place == message and kept and total == world_size
 
 
 def test_dtype_and_operation_mismatches_raise_on_every_rank() -> None:

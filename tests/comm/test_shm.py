@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -126,10 +127,133 @@ def test_the_survivor_names_the_dead_peer_at_once() -> None:
     assert "rank(s) [1] died" in report or "exited" in report, report
 
 
-def test_more_ranks_than_cores_sleep_while_waiting_instead_of_yielding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two ranks on one core: the early one sleeps, it never yields (a yield kept a peer queued on
-    another core waiting); the sum is still right."""
+def _groups(size: int, tag: str) -> list[shm.SharedMemoryGroup]:
+    """``size`` ranks of one segment in this process (each rank's calls on a thread of its own)."""
+    name = f"phalanx-test-{tag}-{os.getpid()}"
+    groups = [shm.SharedMemoryGroup(name, rank, size, 10.0, create=rank == 0) for rank in range(size)]
+    groups[0].unlink()
+    return groups
+
+
+def _on_threads(*calls) -> list:
+    """Run each call on a thread of its own; what each returned or raised, in order."""
+    outcomes: list = [None] * len(calls)
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = calls[index]()
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            outcomes[index] = error
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return outcomes
+
+
+@pytest.mark.skipif(shm._futex is None, reason="no futex here")
+def test_a_waiting_rank_blocks_without_a_core_and_its_peer_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early rank waits 0.3 s for its peer on a futex: hardly any CPU time, and it returns as soon
+    as the peer arrives (its own timeout is 5 s); abort() wakes a blocked wait at once too."""
+    monkeypatch.setattr(shm, "FIRST_BLOCK_S", 5.0)
+    monkeypatch.setattr(shm, "LIVENESS_EVERY_S", 5.0)
+    groups = _groups(2, "futex")
+    tensors = [torch.full((1000,), 1.0), torch.full((1000,), 2.0)]
+
+    def early() -> tuple[float, float]:
+        cpu = time.thread_time()
+        groups[0].allreduce_(tensors[0], "sum")
+        return time.thread_time() - cpu, time.monotonic()
+
+    def late() -> float:
+        time.sleep(0.3)
+        arrived = time.monotonic()
+        groups[1].allreduce_(tensors[1], "sum")
+        return arrived
+
+    ended = []
+
+    def alone() -> None:
+        try:
+            groups[0].barrier()
+        finally:
+            ended.append(time.monotonic())
+
+    def aborted() -> float:
+        time.sleep(0.3)
+        groups[0].abort()
+        return time.monotonic()
+
+    try:
+        (cpu, done), arrived = _on_threads(early, late)
+        waited, abort_at = _on_threads(alone, aborted)
+    finally:
+        for group in groups:
+            group.close()
+    assert torch.equal(tensors[0], torch.full((1000,), 3.0)) and torch.equal(tensors[1], tensors[0])
+    assert cpu < 0.1, f"the waiting rank used {cpu:.3f}s of CPU in 0.3s"
+    assert done - arrived < 1.0, "the arriving peer did not wake the blocked rank"
+    assert isinstance(waited, px.CollectiveTimeoutError) and "aborted" in str(waited), waited
+    assert ended[0] - abort_at < 1.0, "abort() did not wake the blocked rank"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_check_travels_with_the_first_round_and_a_mismatch_leaves_every_tensor_as_it_was(
+        monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """Records of different calls: every rank's judge raises after the first arrival, before any
+    reduction; the next allreduce is right (the ranks are in step). A rank that sends its record alone
+    (it has joined) makes the others send their data again, in rounds it takes part in with zeros.
+    Two ranks reduce directly (one arrival a round), three through the result area (two)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # block at once: threads share the GIL
+    groups = _groups(size, f"check{size}")
+    numel = shm.SLOT_BYTES // 8 + 3  # several rounds (two with three ranks)
+    tensors = [torch.full((numel,), float(rank + 1), dtype=torch.float64) for rank in range(size)]
+
+    def judge(rows: list[list[int]]) -> bool:  # 9: a rank that has joined
+        active = [row for row in rows if row[0] != 9]
+        if any(row != active[0] for row in active):
+            raise px.CollectiveMismatchError(f"records differ: {rows}")
+        return len(active) == len(rows)
+
+    def call(rank: int, record: list[int]) -> Callable[[], None]:
+        return lambda: groups[rank].allreduce_(tensors[rank], "sum", agreement=(record, judge))
+
+    def joined() -> None:
+        assert groups[0].gather_records([9, 0]) == [[9, 0]] + [[1, 4]] * (size - 1)
+        zeros = torch.zeros(numel, dtype=torch.float64)
+        groups[0].allreduce_(zeros, "sum")
+
+    try:
+        mismatched = _on_threads(*[call(rank, [1, 4 + (rank == size - 1)]) for rank in range(size)])
+        unchanged = [torch.equal(t, torch.full((numel,), float(rank + 1), dtype=torch.float64))
+                     for rank, t in enumerate(tensors)]
+        matched = _on_threads(*[call(rank, [1, 4]) for rank in range(size)])
+        total = sum(range(1, size + 1))
+        summed = [torch.equal(t, torch.full((numel,), float(total), dtype=torch.float64)) for t in tensors]
+        with_joined = _on_threads(joined, *[call(rank, [1, 4]) for rank in range(1, size)])
+    finally:
+        for group in groups:
+            group.close()
+    assert all(isinstance(error, px.CollectiveMismatchError) for error in mismatched), mismatched
+    assert len({str(error) for error in mismatched}) == 1  # the same records reached every rank
+    assert all(unchanged), "a rank reduced into its tensor before the check"
+    assert matched == [None] * size and all(summed)
+    assert with_joined == [None] * size
+    assert all(torch.equal(t, torch.full((numel,), float((size - 1) * total), dtype=torch.float64))
+               for t in tensors[1:])
+
+
+@pytest.mark.parametrize("futex", [True, False], ids=["futex", "sleeping"])
+def test_more_ranks_than_cores_sleep_while_waiting_instead_of_yielding(monkeypatch: pytest.MonkeyPatch,
+                                                                        futex: bool) -> None:
+    """Two ranks on one core: the early one blocks on a futex (or, without futexes, sleeps), it never
+    yields (a yield kept a peer queued on another core waiting); the sum is still right."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    if not futex:
+        monkeypatch.setattr(shm, "_futex", None)
+    elif shm._futex is None:
+        pytest.skip("no futex here")
     yields = []
     monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
     name = f"phalanx-test-crowded-{os.getpid()}"

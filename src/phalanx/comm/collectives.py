@@ -4,8 +4,11 @@ Every tensor operation first compares a small metadata record (operation, dtype,
 whether this rank's arguments are valid) across ranks, so that a mismatch raises
 :class:`CollectiveMismatchError`, and an invalid argument or a dtype the operation cannot handle
 :class:`ConfigurationError`, on *every* rank before anything else is exchanged, instead of one rank
-raising while the others hang or go on out of step. ``check=False`` skips that round trip for hot
-paths that plan their own buffers (then each rank validates alone); ``barrier``, the object
+raising while the others hang or go on out of step. Where an allreduce or reduce goes through this
+host's shared memory, the record travels with the data's first exchange instead of a round trip
+of its own, and every rank judges all records before anything is reduced (an asynchronous call
+then raises from ``wait()``). ``check=False`` skips the check for hot paths that plan their own
+buffers (then each rank validates alone); ``barrier``, the object
 collectives and ``broadcast_tensors_`` compare nothing. Any dtype, layout, and tensors that need
 grad are handled alike on every transport (see :mod:`phalanx.comm.wire`). Failures of peers
 surface as :class:`CollectiveTimeoutError` naming the operation.
@@ -192,25 +195,28 @@ def _allreduce(tensor: torch.Tensor, op: str, async_op: bool, check: bool, algor
     scope it is the backend's allreduce over the scope's group, whatever ``algorithm`` says."""
     scoped = _scope.get() is not None
     detail = _op_code(op) + (0 if scoped else len(REDUCE_OPS) * _code(ALLREDUCE_ALGORITHMS, algorithm))
-    _agree("allreduce", tensor, detail, _problem(tensor, op=op, algorithm=None if scoped else algorithm), check)
-    plan = wire.reduction(tensor.dtype, op, "allreduce")
+    problem = _problem(tensor, op=op, algorithm=None if scoped else algorithm)
+    folds = not tensor.is_cuda and algorithm in ("backend", "auto") and _one_host_executor() is not None
+    plan, agreement = _agree_or_fold("allreduce", tensor, detail, problem, check, folds,
+                                     lambda: wire.reduction(tensor.dtype, op, "allreduce"))
     work = _detached(tensor) if in_place else _copy(tensor)
     finish = _finisher(plan, work, tensor if in_place else work)
     if scoped:
         return _backend_allreduce(plan.encode(work), plan.op, finish, async_op)
-    return _allreduce_routed(plan.encode(work), plan.op, algorithm, finish, async_op)
+    return _allreduce_routed(plan.encode(work), plan.op, algorithm, finish, async_op, agreement)
 
 
 def _allreduce_routed(data: torch.Tensor, op: str, algorithm: str, finish: Callable[[torch.Tensor], T],
-                      async_op: bool) -> T | Handle[T]:
-    """The allreduce of ``data`` through whatever :func:`_route` chooses for ``algorithm``, then ``finish``."""
+                      async_op: bool, agreement: shm.Agreement | None = None) -> T | Handle[T]:
+    """The allreduce of ``data`` through whatever :func:`_route` chooses for ``algorithm``, then ``finish``
+    (``agreement``: the metadata check folded into shared memory's exchange, which the route then is)."""
     if data.is_cuda and algorithm in algorithms.ALGORITHMS:
         raise ConfigurationError(f"algorithm={algorithm!r} reduces CPU tensors; for CUDA tensors NCCL chooses its "
                                  "own algorithm: use algorithm='backend' or 'auto'.")
     executor, algorithm = _route(algorithm, data)
     if executor is None:
         return _backend_allreduce(data, op, finish, async_op)
-    return _through(executor, data, op, algorithm, finish, async_op)
+    return _through(executor, data, op, algorithm, finish, async_op, agreement=agreement)
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -308,14 +314,16 @@ def reduce_(tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: b
 def _reduce(tensor: torch.Tensor, root: int, op: str, async_op: bool, check: bool,
             in_place: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
     """Agree on the call, then reduce ``tensor`` itself (``in_place``) or a copy onto ``root``."""
-    _agree("reduce", tensor, root * len(REDUCE_OPS) + _op_code(op), _problem(tensor, op=op, root=root), check)
-    plan = wire.reduction(tensor.dtype, op, "reduce")
+    shared = _one_host_executor()
+    plan, agreement = _agree_or_fold("reduce", tensor, root * len(REDUCE_OPS) + _op_code(op),
+                                     _problem(tensor, op=op, root=root), check,
+                                     shared is not None and not tensor.is_cuda,
+                                     lambda: wire.reduction(tensor.dtype, op, "reduce"))
     work = _detached(tensor) if in_place else _copy(tensor)
     finish = _finisher(plan, work, (tensor if in_place else work) if _rank() == root else None)
     data = plan.encode(work)
-    shared = _one_host_executor()
     if shared is not None and not data.is_cuda:  # every rank gets the sum: as cheap as the reduction
-        return _through(shared, data, plan.op, "backend", finish, async_op, name="reduce")
+        return _through(shared, data, plan.op, "backend", finish, async_op, name="reduce", agreement=agreement)
     return _launch("reduce", lambda: dist.reduce(data, _global_rank(root), REDUCE_OPS[plan.op], group=_group(data),
                                                  async_op=True),
                    lambda: finish(data), async_op)
@@ -562,13 +570,18 @@ def measure_link() -> cost.Link:
 
 
 def _through(executor: OrderedExecutor[Any], data: torch.Tensor, op: str, algorithm: str,
-             finish: Callable[[torch.Tensor], T], async_op: bool, name: str = "allreduce") -> T | Handle[T]:
+             finish: Callable[[torch.Tensor], T], async_op: bool, name: str = "allreduce",
+             agreement: shm.Agreement | None = None) -> T | Handle[T]:
     """An allreduce of the contiguous ``data`` on one of the runtime's ordered executors (shared
     memory, or phalanx's algorithms), in the order of submission (see :mod:`phalanx.comm.ordered`),
-    then ``finish``."""
+    then ``finish``. ``agreement`` (shared memory only): the metadata check, folded into the exchange."""
     how = "shared memory" if executor is runtime.shm_executor() else algorithm
-    return _on(executor, f"{name} ({how})", lambda: executor.group.allreduce_(data.view(-1), op, algorithm),
-               lambda _: finish(data), async_op)
+    flat = data.view(-1)
+    if agreement is None:
+        work = lambda: executor.group.allreduce_(flat, op, algorithm)  # noqa: E731
+    else:
+        work = lambda: executor.group.allreduce_(flat, op, algorithm, agreement)  # noqa: E731
+    return _on(executor, f"{name} ({how})", work, lambda _: finish(data), async_op)
 
 
 def _on(executor: OrderedExecutor[Any], name: str, work: Callable[[], S], finish: Callable[[S], T],
@@ -716,23 +729,48 @@ def _agree(operation: str, tensor: torch.Tensor, detail: int, problem: int, chec
         raise _problem_error(operation, problem, [_rank()])
 
 
-def _record(operation: str, tensor: torch.Tensor, detail: int, problem: int) -> torch.Tensor:
+def _agree_or_fold(operation: str, tensor: torch.Tensor, detail: int, problem: int, check: bool, folds: bool,
+                   plan: Callable[[], wire.Reduction]) -> tuple[wire.Reduction, shm.Agreement | None]:
+    """Agree on the call (:func:`_agree`) and make its reduction ``plan``; or, where the reduction
+    ``folds`` (it goes through this host's shared memory), return the check to travel with the
+    data's first arrival instead of a round trip of its own. A rank whose arguments are wrong, or
+    whose dtype cannot be reduced, checks alone first (one arrival too) and so raises what every
+    rank raises: the others judge its record in their first arrival."""
+    if not (folds and check and problem == 0 and _size() > 1):
+        _agree(operation, tensor, detail, problem, check)
+        return plan(), None
+    try:
+        made = plan()
+    except PhalanxError:
+        _agree(operation, tensor, detail, problem, check)
+        raise
+    return made, (_record_row(operation, tensor, detail, problem), lambda rows: _judge(rows, operation))
+
+
+def _judge(rows: list[list[int]], operation: str) -> bool:
+    """A folded check's verdict on every rank's record: raise as :func:`_agree` does; False where a
+    rank has joined (it sent its record alone: the data must go again, with its zeros)."""
+    _compare(rows, operation, ignore_first_dim=False)
+    return all(row[_OP] != _JOIN for row in rows)
+
+
+def _record_row(operation: str, tensor: torch.Tensor, detail: int, problem: int) -> list[int]:
     shape = list(tensor.shape) if tensor.dim() <= _MAX_DIMS else []
     row = [_OPERATIONS.index(operation), _DTYPE_INDEX[tensor.dtype], detail, problem, tensor.dim(), *shape]
-    return torch.tensor(row + [-1] * (_RECORD_LEN - len(row)), dtype=torch.int64)  # one torch call: hot path
+    return row + [-1] * (_RECORD_LEN - len(row))
 
 
 def _gather_records(operation: str, tensor: torch.Tensor, detail: int = 0, problem: int = 0) -> list[list[int]]:
-    record = _record(operation, tensor, detail, problem)
+    row = _record_row(operation, tensor, detail, problem)
     if _size() == 1:
-        return [record.tolist()]
+        return [row]
     shared = _one_host_executor()
     if shared is not None:  # through shared memory, in order with the allreduces queued there
         with translate_errors(f"{operation} (metadata check)"):
-            return shared.run(lambda: shared.group.allgather_(record)).tolist()
+            return shared.run(lambda: shared.group.gather_records(row))
     rows = torch.empty(_size() * _RECORD_LEN, dtype=torch.int64)
     with translate_errors(f"{operation} (metadata check)"):
-        _all_gather_single(rows, record, group=_group(None))
+        _all_gather_single(rows, torch.tensor(row, dtype=torch.int64), group=_group(None))
     return rows.view(_size(), _RECORD_LEN).tolist()
 
 

@@ -2,30 +2,52 @@
 across hosts, hierarchical: shared memory within each host, Gloo between hosts for each slice.
 
 One segment per job and generation (``/dev/shm/phalanx-JOB-gGEN``): a header with each rank's
-pid and arrival counter (one cache line each), one slot per rank, and a result area. A tensor
-goes through in rounds of at most a slot: every rank copies its part into its slot and arrives;
-each rank then reduces its 1/p slice of all slots into the result area (torch's kernels, the
-GIL released) and arrives again; every rank copies the result out. On several hosts each rank
-first allreduces its reduced slice with the same local rank of every other host (a Gloo group per
-local index, so every rank's link carries a share). Two arrivals per round: a
-round's writes cannot overtake a rank still reading the last one, because that rank has not yet
-arrived for the new round.
+pid, arrival counter and two metadata records (one per arrival parity), then the slots. A tensor
+goes through in rounds of at most a slot. With two ranks on one host (1 MiB slots: a round's two
+slots and the tensor's part fit a core's L2) every rank copies its part into its slot and arrives
+once; each then reduces both slots straight into its tensor (its own part read from the tensor), in
+rank order, so both get the same bits. Alternate arrivals use two sets of slots: a rank writes a
+set again two arrivals later, once its peer has arrived in between and so has read it. With more
+ranks, or several hosts (4 MiB slots), each rank reduces its 1/p slice of all slots into a result
+area (torch's kernels, the GIL released) and arrives again; every rank copies the result out. On
+several hosts each rank first allreduces its reduced slice with the same local rank of every other
+host (a Gloo group per local index, so every rank's link carries a share). Two arrivals per round
+there: a round's writes cannot overtake a rank still reading the last one, because that rank has
+not yet arrived for the new round.
 
-Waiting spins briefly, then yields the core, then sleeps in growing steps, so that a worker
-waiting does not take the core its peer computes on. With more ranks than cores it sleeps at once:
-yielding only lets this core's queue go first, and kept a peer queued on another core waiting (3
-workers on 2 cores ran 6-15 % slower, 4 workers up to 23 %). A waiting rank checks that its peers
-live every 50 ms (a dead peer is named at once) and gives up after the job's timeout. The segment
-is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm whatever happens
-later; the launcher also removes its job's names, for a worker killed in between.
+The collectives' cross-rank metadata check travels with the data: a rank writes its record into
+its header before arriving for the first round, and after that wait every rank judges all records
+before it reduces anything (``agreement`` of :meth:`SharedMemoryGroup.allreduce_`), so a mismatch
+raises on every rank at the same arrival and nothing reaches the caller's tensor. A check alone
+(another collective's) is one arrival with a record (:meth:`SharedMemoryGroup.gather_records`).
+
+Waiting spins for 50 us (about what blocking costs: a rank blocked on another, idle core is woken
+25-30 us after its peer arrives on this machine; spinning as long as blocking costs is at most twice
+the best choice, whenever the peer comes), then blocks in the kernel on a futex: the counter of a
+peer it still waits for (Linux on x86_64 and aarch64; the counter's low 32 bits). A rank that
+arrives wakes the ranks marked as blocked on its counter. A blocked rank takes no core, so on a busy
+host the cores go to the peers it waits for (and to the other processes there). With more ranks
+than cores it blocks at once: spinning holds a core that a queued peer needs. A blocked wait times
+out after 2 ms, doubling to 50 ms (an arriving rank reads the marks without a memory fence, so it
+can, rarely, miss a rank that is just blocking; the timeout bounds the cost). Without futexes
+(another system or architecture) a waiting rank spins, yields the core (not with more ranks than
+cores), then sleeps in steps growing to 1 ms. A waiting rank checks that its peers live every
+50 ms (a dead peer is named at once), gives up after the job's timeout, and stops at once on
+:meth:`SharedMemoryGroup.abort`. The segment is unlinked as soon as every rank has mapped it, so
+nothing is left in /dev/shm whatever happens later; the launcher also removes its job's names,
+for a worker killed in between.
 """
 
 from __future__ import annotations
 
+import array
+import ctypes
 import mmap
 import os
+import platform
+import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,14 +58,55 @@ from phalanx.lifetime import is_alive
 
 SHM_DIR = "/dev/shm"
 PREFIX = "phalanx-"
-SLOT_BYTES = 4 << 20
-LINE = 64  # bytes per rank in the header: pid, counter, padding
-SPIN_S = 50e-6  # then yield the core, in case the peer waits for it
-YIELD_S = 5e-3  # then sleep, in steps growing to 1 ms
+SLOT_BYTES = 4 << 20  # more than two ranks, or several hosts
+DIRECT_SLOT_BYTES = 1 << 20  # two ranks: a round's three areas (two slots, the tensor's part) fit a core's L2
+LINE = 64  # a rank's control line: pid, arrival counter, the rank it blocks on (+1; 0: none)
+RECORD_WORDS = 32  # int64s of a metadata record
+HEADER = LINE + 2 * RECORD_WORDS * 8  # per rank: the control line, then a record per arrival parity
+SPIN_S = 50e-6  # then block (futex), or yield the core where there are no futexes: measured, see above
+YIELD_S = 5e-3  # no futexes: then sleep, in steps growing to 1 ms
+FIRST_BLOCK_S = 2e-3  # a blocking wait's first timeout, doubling up to LIVENESS_EVERY_S
 LIVENESS_EVERY_S = 0.05
+_PID, _COUNTER, _BLOCKED_ON = range(3)  # int64 words of the control line
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 CombineInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+#: A metadata check folded into an allreduce: this rank's record, and what judges every rank's
+#: (raises to refuse the call, alike on every rank; False: the data must go again without a record).
+Agreement = tuple[Sequence[int], Callable[[list[list[int]]], bool]]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_FUTEX_SYSCALL = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_WAKE_ALL = 2**31 - 1
+
+
+def _load_futex() -> Callable[..., int] | None:
+    """libc's ``syscall`` set up for futex calls, or ``None`` where they cannot be used as here."""
+    number = _FUTEX_SYSCALL.get(platform.machine().lower())
+    if not sys.platform.startswith("linux") or sys.byteorder != "little" or number is None:
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    call.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_int]
+    probe = ctypes.c_int32(0)
+    if call(number, ctypes.addressof(probe), _FUTEX_WAKE, 1, None, None, 0) != 0:  # seccomp, an emulator
+        return None
+
+    def futex(address: int, operation: int, value: int, timeout: _Timespec | None = None) -> int:
+        return call(number, address, operation, value, None if timeout is None else ctypes.byref(timeout), None, 0)
+    return futex
+
+
+_futex = _load_futex()
 
 
 def segment_name(job: str, generation: int) -> str:
@@ -63,25 +126,41 @@ class SharedMemoryGroup:
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
         self.cross = cross  # several hosts: this local rank's Gloo group with its peers on the others
         self.cross_link: cost.Link | None = None  # measured at the first "auto" allreduce
-        self._map = map_segment(name, size * LINE + (size + 1) * SLOT_BYTES, create)
+        self.direct = size == 2 and cross is None  # each rank reduces everything itself, one arrival a round
+        sets, self.slot_bytes = (2, DIRECT_SLOT_BYTES) if self.direct else (1, SLOT_BYTES)
+        header, slot_bytes = size * HEADER, self.slot_bytes
+        slots_end = header + sets * size * slot_bytes
+        self._map = map_segment(name, slots_end + (0 if self.direct else slot_bytes), create)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        header = raw[: size * LINE].view(torch.int64).view(size, LINE // 8)
-        self._pids = header[:, 0]
-        self._words = memoryview(self._map)[: size * LINE].cast("q")  # plain reads: ~0.1 us, not a torch op
-        self._counter_index = [r * (LINE // 8) + 1 for r in range(size)]
-        self._slots = [raw[size * LINE + k * SLOT_BYTES: size * LINE + (k + 1) * SLOT_BYTES] for k in range(size)]
-        self._result = raw[size * LINE + size * SLOT_BYTES:]
-        self._pids[rank] = os.getpid()
+        self._words = memoryview(self._map)[:header].cast("q")  # plain reads: ~0.1 us, not a torch op
+        words_per_rank = HEADER // 8
+        self._pid_at = [r * words_per_rank + _PID for r in range(size)]
+        self._counter_at = [r * words_per_rank + _COUNTER for r in range(size)]
+        self._blocked_at = [r * words_per_rank + _BLOCKED_ON for r in range(size)]
+        self._record_at = [r * words_per_rank + LINE // 8 for r in range(size)]
+        self._others_blocked_at = [self._blocked_at[r] for r in range(size) if r != rank]
+        self._slots = [raw[header + k * slot_bytes: header + (k + 1) * slot_bytes] for k in range(sets * size)]
+        self._result = None if self.direct else raw[slots_end:]
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._anchor = ctypes.c_char.from_buffer(self._map)  # the segment's address (and it stays mapped)
+        self._counter_address = [ctypes.addressof(self._anchor) + 8 * at for at in self._counter_at]
+        self._words[self._pid_at[rank]] = os.getpid()
         self._arrivals = 0
+        self._record_length = 0
         # More ranks than cores: a spinning or yielding rank holds a core that a peer waiting in another
-        # core's run queue needs (yield only lets this core's queue go first), so sleep at once.
+        # core's run queue needs (yield only lets this core's queue go first), so block or sleep at once.
         crowded = size > len(os.sched_getaffinity(0))
         self._spin_s, self._yield_s = (0.0, 0.0) if crowded else (SPIN_S, YIELD_S)
+        self._futex = _futex
         self._aborted = False
 
     def abort(self) -> None:
         """Make a wait in progress (on any thread) give up at once; the group is unusable after."""
         self._aborted = True
+        futex, addresses = self._futex, self._counter_address
+        if futex is not None:
+            for address in addresses:  # this process's blocked thread wakes; the peers' look and block again
+                futex(address, _FUTEX_WAKE, _WAKE_ALL)
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid): called once every rank has mapped the segment."""
@@ -93,51 +172,112 @@ class SharedMemoryGroup:
 
     def close(self) -> None:
         self._words.release()
-        self._pids = None  # type: ignore[assignment]
-        self._slots, self._result = [], None  # type: ignore[assignment]
+        self._slots, self._result, self._typed = [], None, {}  # type: ignore[assignment]
+        self._counter_address = []
+        del self._anchor
         try:
             self._map.close()
         except BufferError:  # a tensor still views it: the mapping goes with the process
             pass
 
-    def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str = "backend") -> None:
+    def gather_records(self, record: Sequence[int]) -> list[list[int]]:
+        """Every host rank's record of ``len(record)`` int64s (at most :data:`RECORD_WORDS`, the
+        same length on every rank), in rank order: the collectives' metadata check in one arrival."""
+        self._put_record(record)
+        self._arrive_and_wait("checking the call's metadata")
+        return self._records(len(record))
+
+    def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str = "backend",
+                   agreement: Agreement | None = None) -> None:
         """Reduce the 1-D contiguous CPU tensor ``flat`` over the job's ranks with ``op``, in place.
 
         ``algorithm`` is how each slice crosses hosts (hierarchical only): ``"backend"`` (Gloo's
         ring), one of :data:`phalanx.comm.algorithms.ALGORITHMS`, or ``"auto"`` (the cost model's
         choice for the slice's size, with the link between hosts measured at its first use).
+        ``agreement`` (record, judge) folds the metadata check into the first round's arrival: every
+        rank's record reaches ``judge`` before anything is reduced; where it raises, it raises on
+        every rank and ``flat`` is untouched; where it returns False (a rank sent its record alone:
+        it has joined), the data goes again in rounds of their own.
         """
-        per_round = max(SLOT_BYTES // flat.element_size(), 1)
+        per_round = max(self.slot_bytes // flat.element_size(), 1)
         combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
+        judge = None
+        if agreement is not None:
+            record, judge = agreement
+            if flat.numel() == 0:
+                judge(self.gather_records(record))
+                return
+            self._put_record(record)
         for start in range(0, flat.numel(), per_round):
-            self._round(flat[start: start + per_round], op, algorithm, combine, combine_into)
+            chunk = flat[start: start + per_round]
+            if self.direct:
+                done = self._direct_round(chunk, combine_into, judge)
+            else:
+                done = self._sliced_round(chunk, op, algorithm, combine, combine_into, judge)
+            if not done:  # the records said: not everyone's data; all of it again, without records
+                self.allreduce_(flat, op, algorithm)
+                return
+            judge = None
 
-    def _round(self, chunk: torch.Tensor, op: str, algorithm: str, combine: Combine,
-               combine_into: CombineInto) -> None:
+    def _direct_round(self, chunk: torch.Tensor, combine_into: CombineInto,
+                      judge: Callable[[list[list[int]]], bool] | None) -> bool:
+        """Two ranks: copy in, arrive, reduce both slots straight into ``chunk`` (in rank order)."""
         count, dtype = chunk.numel(), chunk.dtype
-        slots = [slot[: count * chunk.element_size()].view(dtype) for slot in self._slots]
+        first = ((self._arrivals + 1) & 1) * 2  # this arrival's set of slots
+        self._slot(first + self.rank, dtype)[:count].copy_(chunk)
+        self._arrive_and_wait("copying in")
+        if judge is not None and not judge(self._records(self._record_length)):
+            return False
+        peer = self._slot(first + 1 - self.rank, dtype)[:count]
+        if self.rank == 0:
+            combine_into(chunk, peer, chunk)
+        else:
+            combine_into(peer, chunk, chunk)
+        return True
+
+    def _sliced_round(self, chunk: torch.Tensor, op: str, algorithm: str, combine: Combine,
+                      combine_into: CombineInto, judge: Callable[[list[list[int]]], bool] | None) -> bool:
+        """Copy in, arrive, reduce this rank's slice into the result area, arrive, copy the result out."""
+        count, dtype = chunk.numel(), chunk.dtype
+        slots = [self._slot(k, dtype)[:count] for k in range(self.size)]
         slots[self.rank].copy_(chunk)
         self._arrive_and_wait("copying in")
+        if judge is not None and not judge(self._records(self._record_length)):
+            return False
         low, high = (count * self.rank) // self.size, (count * (self.rank + 1)) // self.size
+        result = self._slot(-1, dtype)[:count]
         if high > low:
-            mine = self._result[: count * chunk.element_size()].view(dtype)[low:high]
+            mine = result[low:high]
             combine_into(slots[0][low:high], slots[1][low:high], mine)
             for slot in slots[2:]:
                 combine(mine, slot[low:high])
             if self.cross is not None:  # hierarchical: this host's sum of the slice, with the other hosts'
                 self._across_hosts(mine, op, algorithm)
         self._arrive_and_wait("reducing")
-        chunk.copy_(self._result[: count * chunk.element_size()].view(dtype))
+        chunk.copy_(result)
+        return True
 
-    def allgather_(self, record: torch.Tensor) -> torch.Tensor:
-        """Every host rank's small 1-D ``record`` (at most a slot), stacked in rank order: the
-        collectives' metadata check, without a round trip through the kernel's sockets."""
-        nbytes = record.numel() * record.element_size()
-        self._slots[self.rank][:nbytes].view(record.dtype).copy_(record)
-        self._arrive_and_wait("gathering")
-        rows = torch.stack([slot[:nbytes].view(record.dtype) for slot in self._slots])
-        self._arrive_and_wait("gathering")  # nobody writes its slot again before every rank has read
-        return rows
+    def _slot(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slot ``index`` (-1: the result area) as a tensor of ``dtype``, made once."""
+        typed = self._typed.get((index, dtype))
+        if typed is None:
+            area = self._result if index == -1 else self._slots[index]
+            typed = self._typed[(index, dtype)] = area[: self.slot_bytes // dtype.itemsize * dtype.itemsize].view(dtype)
+        return typed
+
+    def _put_record(self, record: Sequence[int]) -> None:
+        """Write this rank's record where the next arrival's readers look (parity of that arrival)."""
+        if len(record) > RECORD_WORDS:
+            raise ValueError(f"a record holds at most {RECORD_WORDS} integers, got {len(record)}")
+        at = self._record_at[self.rank] + ((self._arrivals + 1) & 1) * RECORD_WORDS
+        self._words[at: at + len(record)] = array.array("q", record)
+        self._record_length = len(record)
+
+    def _records(self, length: int) -> list[list[int]]:
+        """Every rank's record of the last arrival (read before this rank arrives again)."""
+        offset = (self._arrivals & 1) * RECORD_WORDS
+        words = self._words
+        return [words[at + offset: at + offset + length].tolist() for at in self._record_at]
 
     def _across_hosts(self, mine: torch.Tensor, op: str, algorithm: str) -> None:
         """Allreduce this rank's slice with the same local rank of the other hosts."""
@@ -152,33 +292,65 @@ class SharedMemoryGroup:
             algorithms.allreduce(mine, op, algorithm, self.cross)
 
     def _arrive_and_wait(self, phase: str) -> None:
-        """Publish this rank's arrival and wait for every rank's: spin, then yield, then sleep."""
+        """Publish this rank's arrival, wake the ranks blocked on it, and wait for every rank's."""
         self._arrivals += 1
         target = self._arrivals
-        words, indices = self._words, self._counter_index
-        words[indices[self.rank]] = target
+        words = self._words
+        words[self._counter_at[self.rank]] = target
+        if self._futex is not None:
+            mark = self.rank + 1
+            for at in self._others_blocked_at:
+                if words[at] == mark:
+                    self._futex(self._counter_address[self.rank], _FUTEX_WAKE, _WAKE_ALL)
+                    break
+        for at in self._counter_at:
+            if words[at] < target:
+                self._wait(target, phase)
+                return
+
+    def _wait(self, target: int, phase: str) -> None:
+        """Spin, then block on a late peer's counter (or yield, then sleep, without futexes)."""
+        words, counters, futex = self._words, self._counter_at, self._futex
         started = time.monotonic()
-        next_liveness, pause = started + LIVENESS_EVERY_S, 0.0
-        while min(words[k] for k in indices) < target:
+        spin_until, next_liveness = started + self._spin_s, started + LIVENESS_EVERY_S
+        block_s, pause = FIRST_BLOCK_S, 0.0
+        while True:
+            late, seen = -1, 0
+            for rank, at in enumerate(counters):
+                seen = words[at]
+                if seen < target:
+                    late = rank
+                    break
+            if late < 0:
+                return
             if self._aborted:
                 raise CollectiveTimeoutError(f"allreduce through shared memory on rank {self.rank} was aborted "
                                              "(the process is leaving the group).")
             now = time.monotonic()
-            waited = now - started
-            if waited < self._spin_s:
+            if now < spin_until:
                 continue
-            if waited < self._yield_s:
+            if now >= next_liveness:
+                next_liveness = now + LIVENESS_EVERY_S
+                self._check_peers(target, phase, now - started)
+            if futex is not None:
+                timeout = min(block_s, next_liveness - now)
+                block_s = min(2 * block_s, LIVENESS_EVERY_S)
+                words[self._blocked_at[self.rank]] = late + 1
+                low = seen & 0xFFFFFFFF  # the kernel compares the counter's low 32 bits (little-endian)
+                nanoseconds = max(int(timeout * 1e9), 1000)
+                futex(self._counter_address[late], _FUTEX_WAIT, low - (1 << 32) if low >= 1 << 31 else low,
+                      _Timespec(nanoseconds // 1_000_000_000, nanoseconds % 1_000_000_000))
+                words[self._blocked_at[self.rank]] = 0
+            elif now - started < self._yield_s:
                 os.sched_yield()
             else:
                 pause = min(max(pause * 2, 5e-5), 1e-3)
                 time.sleep(pause)
-            if now >= next_liveness:
-                next_liveness = now + LIVENESS_EVERY_S
-                self._check_peers(target, phase, waited)
 
     def _check_peers(self, target: int, phase: str, waited: float) -> None:
-        missing = [r for r in range(self.size) if self._words[self._counter_index[r]] < target]
-        dead = [r for r in missing if int(self._pids[r]) > 0 and not is_alive(int(self._pids[r]))]
+        missing = [r for r in range(self.size) if self._words[self._counter_at[r]] < target]
+        pids = [self._words[self._pid_at[r]] for r in range(self.size)]
+        dead = [r for r in missing if pids[r] > 0 and not is_alive(pids[r])]
         if dead or waited > self.timeout_s:
             why = f"rank(s) {dead} died" if dead else f"rank(s) {missing} did not answer within {self.timeout_s:.0f}s"
             raise CollectiveTimeoutError(
