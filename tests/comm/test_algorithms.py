@@ -121,3 +121,17 @@ def test_auto_measures_the_link_once_and_every_rank_agrees() -> None:
     assert all(alpha > 0 for alpha, *_ in results)
     assert all(backend_alpha > 0 for *_, backend_alpha in results)
     assert all(values == [6.0, 6.0, 6.0] for _, _, _, values, _ in results)
+
+
+def _links_of_two_generations() -> tuple[bool, int, bool, int]:
+    from phalanx.comm import collectives, runtime
+
+    collectives.measure_link()
+    before = (collectives.link() is not None, len(runtime.links()))
+    px.shutdown()
+    px.init()  # a new group: it must measure its own link, never inherit the old group's by id
+    return (*before, collectives.link() is not None, len(runtime.links()))
+
+
+def test_a_new_group_starts_without_the_old_groups_measured_link() -> None:
+    assert run_workers(_links_of_two_generations, 2) == [(True, 1, False, 0)] * 2

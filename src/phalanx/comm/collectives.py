@@ -543,30 +543,28 @@ def _route(algorithm: str, tensor: torch.Tensor) -> tuple[Any, str]:
     return (None, algorithm) if algorithm == "backend" else (runtime.message_executor(), algorithm)
 
 
-_links: dict[int, cost.Link] = {}  # measured once per group (key: the group object's id)
-
-
 def _cheapest(tensor: torch.Tensor) -> str:
     """The algorithm the alpha-beta model predicts fastest for ``tensor``. Measures the link on
     first use: every rank is here."""
+    links = runtime.links()  # the current generation's: a re-formed group measures its own
     group = _group(tensor)
-    if id(group) not in _links:
+    if id(group) not in links:
         with translate_errors("allreduce (measuring the link)"):
-            _links[id(group)] = cost.measure(group)
-    return cost.choose_with_backend(tensor.numel() * tensor.element_size(), runtime.size(), _links[id(group)])
+            links[id(group)] = cost.measure(group)
+    return cost.choose_with_backend(tensor.numel() * tensor.element_size(), runtime.size(), links[id(group)])
 
 
 def link() -> cost.Link | None:
     """The measured link of the CPU group, once ``algorithm="auto"`` needed it (or :func:`measure_link`)."""
-    return _links.get(id(_group(None))) if runtime.is_initialized() else None
+    return runtime.links().get(id(_group(None))) if runtime.is_initialized() else None
 
 
 def measure_link() -> cost.Link:
     """Measure the CPU group's alpha and beta now (collective) and keep them for ``algorithm="auto"``."""
     group = _group(None)
     with translate_errors("measuring the link"):
-        _links[id(group)] = cost.measure(group)
-    return _links[id(group)]
+        runtime.links()[id(group)] = cost.measure(group)
+    return runtime.links()[id(group)]
 
 
 def _through(executor: OrderedExecutor[Any], data: torch.Tensor, op: str, algorithm: str,

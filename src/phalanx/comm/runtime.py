@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import faults
-from phalanx.comm import algorithms, shm
+from phalanx.comm import algorithms, cost, shm
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.membership import (
@@ -61,8 +61,11 @@ class _Runtime:
     transport: str = "auto"
     shm: OrderedExecutor[shm.SharedMemoryGroup] | None = None  # shared memory (hierarchical across hosts)
     #: phalanx's own algorithms on a Gloo group of their own; created by the first collective call
-    #: that needs it (the one field set after construction)
+    #: that needs it (set after construction, like the links below)
     messages: OrderedExecutor[algorithms.MessageGroup] | None = None
+    #: the links measured for ``algorithm="auto"``, per group of this generation (key: the group's id);
+    #: a new generation starts without, so it never inherits a dead group's figures
+    links: dict[int, cost.Link] = dataclasses.field(default_factory=dict)
 
 
 _runtime: _Runtime | None = None
@@ -295,6 +298,11 @@ def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:
             _elastic.track(runtime.generation, dict(runtime.sockets))
         runtime.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
     return runtime.messages
+
+
+def links() -> dict[int, cost.Link]:
+    """The current generation's measured links, by group id (filled by the collectives)."""
+    return _require_runtime().links
 
 
 def _close_executors(runtime: _Runtime) -> None:
