@@ -60,7 +60,7 @@ def diagnose_records(run: list[dict[str, Any]], reference: list[dict[str, Any]] 
         predict.scaling(model, [layout for layout in on_host if layout not in skipped])
         + predict.scaling(model, [layout for layout in across if layout not in skipped],
                           measured.global_batch / measured.world_size))
-    return Diagnosis(measured, ref, model, scale, predictions, not_predicted, assumptions(measured, ref, model),
+    return Diagnosis(measured, ref, model, scale, predictions, not_predicted, assumptions(measured, model),
                      advice.causes(measured, ref, model), advice.recommend(measured, model, scale), run)
 
 
@@ -75,7 +75,7 @@ def layouts(measured: Measured, bandwidths_gbit: list[float]) -> tuple[list[pred
     return on_host, across
 
 
-def assumptions(run: Measured, reference: Measured | None, model: predict.ScalingModel | None) -> list[str]:
+def assumptions(run: Measured, model: predict.ScalingModel | None) -> list[str]:
     """What the predictions take for granted, in the report's words."""
     if model is None:
         return []
@@ -88,8 +88,7 @@ def assumptions(run: Measured, reference: Measured | None, model: predict.Scalin
              "(shared memory: the copies each makes; Gloo: its ring), and as much hidden behind backward as measured",
              f"across hosts: hosts like this one with {run.workers_per_host} worker(s) each, at the measured batch "
              "per worker, reducing over a ring between hosts whose link the local ranks share"]
-    loads = [m.other_load for m in (run, reference) if m is not None and m.other_load is not None]
-    if loads:
-        found.append(f"the host as quiet as measured: other processes kept {max(loads):.2f} of its {run.cores} cores "
+    if model.other_load is not None:
+        found.append(f"the host as quiet as measured: other processes kept {model.other_load:.2f} of its {run.cores} cores "
                      f"busy while measuring (above {predict.BUSY_SHARE * run.cores:.1f}, nothing is predicted)")
     return found

@@ -3,9 +3,9 @@
 Only typical steps count: the global batch is the one the script configured (the largest any step
 had), and a short last batch of an epoch is named but left out of the timing, so no figure is an
 average that no step had; so are steps more than half again as long as the median (an epoch's
-validation and checkpoint land in the step after it, and a busy host preempts some). Phases are means over each rank's full timed steps, then over ranks (the
-ranks run in lockstep, so their step times agree; how they split them may not). Buckets and
-transport figures are rank 0's.
+validation and checkpoint land in the step after it, and a busy host preempts some). Phases are
+means over each rank's kept steps, then over ranks (the ranks run in lockstep, so their step
+times agree; how they split them may not). Buckets and transport figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ class Measured:
     global_batch: int
     short_batches: tuple[int, ...]  # smaller global batches seen (an epoch's last), left out of the timing
     outliers: int  # full steps left out for taking more than OUTLIER times the median
-    spread: float  # the kept steps' interquartile range over their median: how steady the host was
     other_load: float | None  # cores other processes kept busy while measuring (None: not measurable)
     step_s: float
     data_wait_s: float
@@ -58,6 +57,11 @@ class Measured:
     @property
     def bytes_per_step(self) -> int:
         return sum(bucket.bytes for bucket in self.buckets)
+
+    @property
+    def own_step_s(self) -> float:
+        """The step without its wait for the allreduce: what the worker itself spent."""
+        return self.step_s - self.exposed_comm_s
 
     @property
     def comm_alone_s(self) -> float | None:
@@ -96,7 +100,6 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
     for rank in ranks:  # the ranks step in lockstep: step i of one is step i of all
         rank.timed = [rank.timed[i] for i in kept]
     first, host = records[0], records[0]["host"]
-    quartiles = statistics.quantiles([step.step_s for step in ranks[0].timed], n=4) if len(kept) > 1 else [0, 0, 0]
 
     def per_rank(phase: str) -> float:
         return mean([mean([getattr(step, phase) for step in rank.timed]) for rank in ranks])
@@ -107,7 +110,7 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
         world_size=int(first.get("world_size", 1)), workers_per_host=int(first.get("local_size", 1)),
         cores=int(host["cores"]), threads=int(host["threads"]), transport=str(first.get("transport", "none")),
         global_batch=batch, short_batches=tuple(sorted({size for size in batches if size < batch})),
-        outliers=len(full) - len(kept), other_load=_other_load(records), spread=(quartiles[2] - quartiles[0]) / quartiles[1] if quartiles[1] else 0.0,
+        outliers=len(full) - len(kept), other_load=_other_load(records),
         step_s=per_rank("step_s"), data_wait_s=per_rank("data_s"),
         forward_s=mean(forwards) if forwards else None, backward_s=compute - mean(forwards) if forwards else None,
         compute_s=compute, exposed_comm_s=per_rank("exposed_s"), optimizer_s=per_rank("optimizer_s"),

@@ -63,12 +63,20 @@ class ScalingModel:
     ring: cost.Link | None  # Gloo's ring between processes
     comm_factor: float = 1.0  # a core each: how much longer the allreduce takes beside backward than alone
     crowded_factor: float = 1.0  # the same with more workers than cores, where it cannot hide behind backward
-    other_load: float = 0.0  # cores other processes kept busy while either run measured, at most
+    other_load: float | None = None  # cores other processes kept busy while either run measured, at most
 
     @property
     def busy(self) -> bool:
-        """Whether other processes took enough of the host for the runs to say nothing about other layouts."""
-        return self.other_load > BUSY_SHARE * self.cores
+        """Whether other processes took enough of the host for the runs to say nothing about any run."""
+        return self.other_load is not None and self.other_load > BUSY_SHARE * self.cores
+
+    def measured_as(self, layout: Layout) -> str | None:
+        """Which measured run ``layout`` is (its row reproduces it), or None for the model's rows."""
+        if layout == Layout(1, 1):
+            return "the 1-worker run"
+        if layout == Layout(self.measured_world, self.measured_local):
+            return "this run"
+        return None
 
     def slowdown(self, local: int) -> float:
         """``u(L)``: how much slower each of ``local`` workers runs for sharing the host's cores."""
@@ -94,13 +102,13 @@ def fit(run: Measured, reference: Measured | None = None) -> ScalingModel:
     model = ScalingModel(run.global_batch, 0.0, 0.0, 0.0, 0.0, (), run.cores, run.threads, run.transport,
                          run.world_size, run.workers_per_host, *_links(run))
     u = model.slowdown(run.workers_per_host)
-    busy = run.step_s - run.exposed_comm_s
     fixed, per_sample = _line(model, run, reference)
     backward = run.backward_s if run.backward_s is not None else 0.0
     ready = tuple((min(b.ready_s / backward, 1.0) if backward > 0 else 1.0, b.bytes) for b in run.buckets)
     loads = [m.other_load for m in (run, reference) if m is not None and m.other_load is not None]
     model = replace(model, fixed_s=fixed, per_sample_s=per_sample, optimizer_s=run.optimizer_s / u,
-                    backward_share=backward / busy if busy > 0 else 0.0, buckets=ready, other_load=max(loads, default=0.0))
+                    backward_share=backward / run.own_step_s if run.own_step_s > 0 else 0.0, buckets=ready,
+                    other_load=max(loads, default=None))
     if model.ring is None:
         return model
     return replace(model, comm_factor=_comm_factor(model, run), crowded_factor=_crowded_factor(model, run))
@@ -110,7 +118,7 @@ def _line(model: ScalingModel, run: Measured, reference: Measured | None) -> tup
     """``(t0, ts)``: the line through ``T`` at the run's and the reference's local batch, each
     measured step without its exposed allreduce and divided by its slowdown."""
     local = run.global_batch / run.world_size
-    own = (run.step_s - run.exposed_comm_s) / model.slowdown(run.workers_per_host)
+    own = run.own_step_s / model.slowdown(run.workers_per_host)
     if reference is None or reference.global_batch == local:
         return 0.0, own / local
     ref_own = reference.step_s / model.slowdown(reference.workers_per_host)
@@ -127,7 +135,7 @@ def unpredictable(model: ScalingModel, layout: Layout) -> str | None:
     if model.busy:  # even a measured layout's next run may differ several times over
         return (f"the host was busy: other processes kept {model.other_load:.1f} of its {model.cores} cores busy while "
                 "measuring, and what they will take from any run cannot be told; rerun on a quiet host")
-    if layout in (Layout(1, 1), Layout(model.measured_world, model.measured_local)):
+    if model.measured_as(layout) is not None:
         return None  # the line and the allreduce's factor reproduce the measured runs
     if model.slowdown(layout.local) > 1 and layout.local != model.measured_local:
         return (f"more workers x threads than the {model.cores} cores take turns in ways two runs cannot tell; "
@@ -158,7 +166,7 @@ def _comm_factor(model: ScalingModel, run: Measured) -> float:
     takes longer than alone; the factor carries that over to the predictions (bisection, 0.1-1000).
     """
     layout = Layout(run.world_size, run.workers_per_host)
-    backward = model.backward_share * (run.step_s - run.exposed_comm_s)
+    backward = model.backward_share * run.own_step_s
     ready = [r for r, _ in model.buckets]
     low, high = 0.1, 1000.0
     for _ in range(40):

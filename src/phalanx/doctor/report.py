@@ -86,10 +86,10 @@ def _noise(diagnosis: Diagnosis) -> str:
 
 
 def _predictions(diagnosis: Diagnosis) -> str:
-    if not diagnosis.predictions:
+    model = diagnosis.model
+    if model is None or not diagnosis.predictions:
         reasons = sorted({reason for _, reason in diagnosis.not_predicted})
         return "\n".join(f"Predicted: nothing; {reason}" for reason in reasons)
-    run = diagnosis.measured
     lines = ["Predicted (on this host: the measured global batch; across hosts: the measured batch per worker):",
              "  workers  per host  link          global batch     step  samples/s  efficiency  from"]
     rows = [(p.layout, p) for p in diagnosis.predictions] + [(layout, None) for layout, _ in diagnosis.not_predicted]
@@ -101,9 +101,10 @@ def _predictions(diagnosis: Diagnosis) -> str:
             lines.append(f"{head}{'':>14}{'-':>10}  {'-':>9}  {'-':>10}  not predicted (see below)")
             continue
         lines.append(f"{head}{p.global_batch:>14g}{_ms(p.step_s):>10}  {p.throughput:>9.0f}  {100 * p.efficiency:>9.0f}%"
-                     f"  {_basis(layout, run)}")
-    reasons = {reason: [layout.world_size for layout, r in diagnosis.not_predicted if r == reason]
-               for _, reason in diagnosis.not_predicted}
+                     f"  {model.measured_as(layout) or 'model'}")
+    reasons: dict[str, list[int]] = {}
+    for layout, reason in diagnosis.not_predicted:
+        reasons.setdefault(reason, []).append(layout.world_size)
     lines += [f"  not predicted at {', '.join(map(str, sizes))} worker(s): {reason}" for reason, sizes in reasons.items()]
     lines += ["  assumed:"] + [f"    - {assumption}" for assumption in diagnosis.assumptions]
     return "\n".join(lines)
@@ -113,15 +114,6 @@ def _row_order(layout: Layout) -> tuple[bool, float, int]:
     """This host first, then each link (the measured one first), by workers."""
     link = -1.0 if layout.bandwidth_gbit is None else layout.bandwidth_gbit
     return layout.hosts > 1, link, layout.world_size
-
-
-def _basis(layout: Layout, run: Measured) -> str:
-    """Whether a row reproduces a measured run or is the model's."""
-    if layout == Layout(1, 1):
-        return "the 1-worker run"
-    if layout == Layout(run.world_size, run.workers_per_host):
-        return "this run"
-    return "model"
 
 
 def _recommendations(diagnosis: Diagnosis) -> str:
