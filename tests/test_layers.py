@@ -109,3 +109,26 @@ def test_the_rules_see_a_violation(tmp_path: Path) -> None:
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from phalanx.parallel.data_parallel import DataParallel\n    import phalanx.data\n")
     assert imports_of(lazy) >= {"phalanx.parallel.data_parallel", "phalanx.data"}
+
+
+# Below the process's current communicator (comm/runtime.py) the generation is an object handed
+# around: these modules build or use a Communicator and never look up the current one.
+GENERATION_MODULES = ("phalanx.comm.operations", "phalanx.comm.communicator", "phalanx.comm.formation",
+                      "phalanx.comm.handles")
+RUNTIME_STATE = ("_current", "_elastic", "_incarnation", "_alone")
+
+
+@pytest.mark.parametrize("module", GENERATION_MODULES)
+def test_a_generation_is_handed_to_the_code_that_forms_and_uses_it(module: str) -> None:
+    assert "phalanx.comm.runtime" not in imports_of(MODULES[module]), \
+        f"{module} imports the runtime: it must work on the Communicator it is given"
+
+
+def test_nothing_but_the_runtime_reads_the_process_global_state() -> None:
+    """Every other module goes through the runtime's functions (px.communicator(), px.rank(), ...)."""
+    readers = sorted(
+        name for name, path in MODULES.items() if name != "phalanx.comm.runtime"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in RUNTIME_STATE
+        and isinstance(node.value, ast.Name) and node.value.id == "runtime")
+    assert not readers, f"modules reading the runtime's globals directly: {readers}"

@@ -20,7 +20,9 @@ from phalanx.comm.collectives import (
     reduce_,
     reduce_scatter,
 )
+from phalanx.comm.communicator import Communicator
 from phalanx.comm.runtime import (
+    communicator,
     device,
     init,
     is_initialized,
@@ -53,6 +55,7 @@ from phalanx.errors import (
     CollectiveTimeoutError,
     ConfigurationError,
     DataMismatchError,
+    GenerationClosedError,
     NonFiniteGradientError,
     NotInitializedError,
     PhalanxError,
@@ -74,7 +77,7 @@ def diagnose(script: str, args: Sequence[str] = (), workers: int = 2, **options:
     return run(script, args, workers, **options)
 
 __all__ = [
-    "diagnose", "CentralStorage", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "lr",
+    "diagnose", "CentralStorage", "Communicator", "communicator", "GenerationClosedError", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",

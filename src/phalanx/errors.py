@@ -22,6 +22,14 @@ class CollectiveError(PhalanxError):
     """A collective operation failed on this rank."""
 
 
+class GenerationClosedError(CollectiveError):
+    """A collective was called on a communicator whose generation has ended.
+
+    Elastic re-forming and ``px.shutdown()`` close the current generation; ask
+    ``px.communicator()`` for the one now in place instead of keeping an old one.
+    """
+
+
 class CollectiveMismatchError(CollectiveError):
     """Ranks called a collective with different operations, shapes or dtypes.
 

@@ -109,7 +109,7 @@ def _auto_over_messages() -> tuple[float, float, list[str], list[float], float]:
     from phalanx.comm import collectives
 
     tensors = [torch.full((n,), float(px.rank() + 1)) for n in (1, 1000, 300_000)]
-    chosen = [collectives._cheapest(tensor) for tensor in tensors]  # what "auto" runs without shared memory
+    chosen = [px.communicator().cheapest_algorithm(tensor) for tensor in tensors]  # what "auto" runs without shared memory
     results = [float(px.allreduce(tensor, algorithm=name)[0]) for tensor, name in zip(tensors, chosen)]
     measured = collectives.link()
     return measured.alpha_s, measured.beta_s_per_byte, chosen, results, measured.backend.alpha_s

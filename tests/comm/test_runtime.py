@@ -19,8 +19,15 @@ def test_world_of_one_needs_no_network_and_init_is_idempotent() -> None:
     assert (px.rank(), px.size(), px.local_rank(), px.local_size(), px.node_rank()) == (0, 1, 0, 1, 0)
     assert px.is_master() and px.is_initialized()
     assert not dist.is_initialized()  # nothing listens
+    first = px.communicator()
+    assert first is px.communicator() and (first.rank, first.size) == (0, 1)
     px.shutdown()
     assert not px.is_initialized()
+    assert float(px.allreduce(torch.ones(1))) == 1.0  # a world of one needs no init
+    with pytest.raises(px.GenerationClosedError, match=r"generation 0 .* has ended.*px.communicator\(\)"):
+        first.allreduce(torch.ones(1))
+    with pytest.raises(px.NotInitializedError, match=r"px.init\(\)"):
+        px.communicator()
 
 
 def test_timeout_comes_from_argument_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,9 +73,13 @@ def _init_again_and_again() -> list[float]:
     """Leave the job and join it again twice (the Horovod pattern hvd.shutdown(); hvd.init())."""
     sums = []
     for _ in range(2):
+        left = px.communicator()
         px.shutdown()
         px.init()
-        sums.append(float(px.allreduce(torch.ones(3))[0]))
+        assert px.communicator() is not left and left.closed
+        with pytest.raises(px.GenerationClosedError):  # the group it used is gone: it must not be touched
+            left.allreduce(torch.ones(3))
+        sums.append(float(px.communicator().allreduce(torch.ones(3))[0]))
         sums.append(float(px.allreduce(torch.ones(2), algorithm="tree")[0]))
     net = torch.nn.Linear(4, 2)
     for _ in range(2):  # two segments of central storage in turn, the second under the first's names

@@ -54,6 +54,17 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def refuses(communicator: object) -> bool:
+    """Whether an earlier generation's communicator raises GenerationClosedError when used."""
+    import phalanx as px
+
+    try:
+        communicator.barrier()  # type: ignore[attr-defined]
+    except px.GenerationClosedError:
+        return True
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -78,6 +89,7 @@ def main() -> None:
     state = elastic.State(model=model, optimizer=optimizer, loader=loader, epoch=0, step=0,
                           checkpoint_path=args.checkpoint)
     changes: list[dict] = []
+    communicators = [px.communicator()]  # one per generation seen: each earlier one must refuse to be used
     if args.hold_file and elastic.membership() is None:  # started after the job did: about to ask to join
         open(args.hold_file, "w").close()
 
@@ -95,7 +107,9 @@ def main() -> None:
                 view = elastic.membership() or elastic.Membership(0, px.rank(), px.size(), ())  # static launch
                 if not changes or changes[-1]["generation"] != view.generation:
                     changes.append({"generation": view.generation, "size": view.size, "time": time.time(),
-                                    "step": state.step, "lost": list(view.lost), "joined": list(view.joined)})
+                                    "step": state.step, "lost": list(view.lost), "joined": list(view.joined),
+                                    "stale_refused": refuses(communicators[-1]) if changes else None})
+                    communicators.append(px.communicator())
                 if state.step == args.hold_at:  # the test's joiner: let it start before the job ends
                     deadline = time.monotonic() + 60
                     while not os.path.exists(args.hold_file) and time.monotonic() < deadline:

@@ -50,6 +50,7 @@ def test_a_killed_worker_leaves_the_others_training(tmp_path: Path) -> None:
         assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
     result = job.result()
     assert result["size"] == 2 and result["steps"] == 60
+    assert first_change(result)["stale_refused"], "the lost generation's communicator was still usable"
     recovery = first_change(result)["time"] - killed_at
     print(f"recovery (SIGKILL to the next completed step): {recovery:.3f}s; library's own measure: "
           f"{result['recoveries'][0]['event_to_step_s']:.3f}s")

@@ -1,0 +1,145 @@
+"""One generation of the job: its ranks, process groups, transport, store, timeout and caches.
+
+A :class:`Communicator` is made when a process joins a job (``px.init``) and again each time an
+elastic job re-forms; the one it replaces is closed first, and a collective called on a closed one
+raises :class:`~phalanx.errors.GenerationClosedError` instead of using a dead group. The process's
+current communicator is held by :mod:`phalanx.comm.runtime` (``px.communicator()``); the
+collectives themselves are its methods (:class:`~phalanx.comm.operations.Collectives`).
+How a generation's groups are formed is :mod:`phalanx.comm.formation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import algorithms, cost, shm
+from phalanx.comm.environment import LaunchInfo
+from phalanx.comm.membership import Membership, socket_inodes, sockets_since
+from phalanx.comm.operations import Collectives
+from phalanx.comm.ordered import OrderedExecutor
+from phalanx.errors import ConfigurationError, GenerationClosedError
+
+
+@dataclass(eq=False)
+class Communicator(Collectives):
+    """Everything one generation of the job established; closed as a whole, never patched.
+
+    ``store`` is the rendezvous store (``None`` in a world of one without servers, or in a group
+    the user created); ``cpu_group`` carries CPU tensors (Gloo, also beside NCCL); ``prefix`` keys
+    this generation's entries in the store. ``sockets`` are the group's connections (an elastic
+    watchdog cuts them when a peer is lost); ``on_sockets`` is told of connections opened later.
+    """
+
+    info: LaunchInfo
+    timeout_s: float
+    backend: str
+    device: torch.device
+    store: Any = None
+    cpu_group: dist.ProcessGroup | None = None
+    generation: int = 0
+    prefix: str = "phalanx/g0/"
+    membership: Membership | None = None
+    sockets: dict[str, int] = dataclasses.field(default_factory=dict)
+    transport: str = "auto"
+    #: shared memory on this host (hierarchical across hosts), when the transport is
+    shared_memory: OrderedExecutor[shm.SharedMemoryGroup] | None = None
+    on_sockets: Callable[[int, dict[str, int]], None] | None = None
+    #: phalanx's own algorithms on a Gloo group of their own, made by the first call that needs it
+    messages: OrderedExecutor[algorithms.MessageGroup] | None = dataclasses.field(default=None, init=False)
+    #: the links measured for ``algorithm="auto"``, by group id: a new generation starts without
+    links: dict[int, cost.Link] = dataclasses.field(default_factory=dict, init=False)
+    closed: bool = dataclasses.field(default=False, init=False)
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        """This worker's rank in the generation."""
+        return self.info.rank
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        """The number of workers in the generation."""
+        return self.info.world_size
+
+    def ensure_open(self, operation: str) -> None:
+        """Raise :class:`GenerationClosedError` when this generation has ended."""
+        if self.closed:
+            raise GenerationClosedError(
+                f"{operation} on rank {self.rank}: generation {self.generation} of the job has ended (elastic "
+                "re-forming or px.shutdown() closed it). Use px.communicator() for the current one, or the "
+                "px.* functions, which always do.")
+
+    def group_for(self, tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
+        """The process group for a tensor: the default group for CUDA tensors, Gloo for CPU ones."""
+        self.ensure_open("group_for")
+        if tensor is not None and tensor.is_cuda:
+            return dist.group.WORLD
+        return self.cpu_group
+
+    def message_executor(self) -> OrderedExecutor[algorithms.MessageGroup]:
+        """The executor of phalanx's own allreduce algorithms on a Gloo group of their own, created at
+        the first call: a collective, every rank calls it at the same point."""
+        self.ensure_open("message_executor")
+        if self.messages is None:
+            before = socket_inodes()
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.sockets.update(sockets_since(before))
+            if self.on_sockets is not None:  # a broken generation's watchdog must be able to cut these too
+                self.on_sockets(self.generation, dict(self.sockets))
+            self.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
+        return self.messages
+
+    def shares_one_host(self) -> bool:
+        """Whether every worker is on this host and reduces through shared memory."""
+        return self.shared_memory is not None and self.shared_memory.group.cross is None
+
+    def host_arena(self, tag: str, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of shared memory mapped by every worker, when all of them are on this host.
+
+        Collective: every worker calls it with the same ``tag`` and size. The first rank creates the
+        segment (named after the job, generation and tag, so the launcher removes it after a crash),
+        and once every rank has mapped it its name is removed. Raises :class:`ConfigurationError`
+        where the transport does not use shared memory on one host (see :meth:`shares_one_host`).
+        """
+        self.ensure_open("host_arena")
+        if not self.shares_one_host():
+            raise ConfigurationError("shared memory between workers needs every worker on this host and "
+                                     "px.init(transport='auto' or 'shm').")
+        executor = self.shared_memory
+        assert executor is not None
+        name, key = f"{executor.group.name}-{tag}", f"{self.prefix}arena/{tag}"
+        mapping = created_by_first(executor.group.rank == 0, key, self.store, self.timeout_s,
+                                   lambda create: shm.map_segment(name, nbytes, create))
+        executor.run(executor.group.barrier)
+        if executor.group.rank == 0:  # both names can serve the next arena...
+            shm.unlink_segment(name)
+            self.store.delete_key(key)
+        executor.run(executor.group.barrier)  # ...once they are gone: nobody may find the old ones
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """End this generation: stop its executors; later calls raise :class:`GenerationClosedError`.
+
+        The process groups themselves are torn down by :mod:`phalanx.comm.runtime`, which owns the
+        default group that the next generation replaces.
+        """
+        self.closed = True
+        for executor in (self.shared_memory, self.messages):
+            if executor is not None:
+                executor.close()
+
+
+def created_by_first(first: bool, key: str, store: Any, timeout_s: float, open_segment: Callable[[bool], Any]) -> Any:
+    """A host's shared segment: its first rank creates it (``open_segment(True)``) and then sets
+    ``key``; the others wait for ``key`` and open it (``open_segment(False)``)."""
+    if first:
+        made = open_segment(True)
+        store.set(key, "created")
+        return made
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return open_segment(False)

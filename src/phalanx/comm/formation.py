@@ -1,0 +1,173 @@
+"""Forming one generation's groups: the store, the default group (and Gloo beside NCCL), the
+shared-memory segment of each host, the groups that join hosts; or adopting the user's group.
+
+Every function here returns a new :class:`~phalanx.comm.communicator.Communicator` or a part of
+one; none keeps state. Store keys of generation ``g`` live under :func:`prefix` so that a later
+generation, or a later ``init`` after ``shutdown`` in the same job, never meets an earlier one's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import shm
+from phalanx.comm.communicator import Communicator, created_by_first
+from phalanx.comm.environment import LaunchInfo
+from phalanx.comm.membership import socket_inodes, sockets_since
+from phalanx.comm.ordered import OrderedExecutor
+from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
+
+
+def connect_store(info: LaunchInfo, timeout_s: float) -> Any:
+    """Connect to the launcher's store, or host it on rank 0 when no launcher does."""
+    is_host = info.rank == 0 and not info.store_hosted
+    try:
+        return dist.TCPStore(
+            info.master_addr,
+            info.master_port,
+            world_size=None if info.store_hosted else info.world_size,
+            is_master=is_host,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as error:
+        raise CollectiveTimeoutError(
+            f"rendezvous on rank {info.rank} failed: could not reach the store at "
+            f"{info.master_addr}:{info.master_port} within {timeout_s:.0f}s ({error}). Check that rank 0 "
+            "is running and MASTER_ADDR/MASTER_PORT are the same on every worker."
+        ) from error
+
+
+def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device, *, keys: str,
+                 store: Any = None, generation: int = 0, transport: str = "auto", rendezvous: Any = None) -> Communicator:
+    """Form the default group (and the transport's) over ``store``, or over ``rendezvous``, a
+    connection of its own that an elastic watchdog may cut when a member is lost meanwhile."""
+    if info.master_addr in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = connect_store(info, timeout_s) if store is None else store
+    rendezvous = store if rendezvous is None else rendezvous
+    timeout_delta = datetime.timedelta(seconds=timeout_s)
+    before = socket_inodes()
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(keys, rendezvous),
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout_delta,
+            device_id=device if backend == "nccl" else None,
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout_delta) if backend == "nccl" else dist.group.WORLD
+        executor = _open_shm(info, rendezvous, keys, generation, transport, backend, timeout_s)
+    except PhalanxError:
+        raise
+    except (RuntimeError, OSError) as error:
+        raise CollectiveTimeoutError(
+            f"rendezvous on rank {info.rank} failed: not all {info.world_size} workers joined within "
+            f"{timeout_s:.0f}s ({error}). Check that every worker was started with the same world size."
+        ) from error
+    sockets = sockets_since(before)  # cross-host groups too
+    return Communicator(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
+                        prefix=keys, sockets=sockets, transport=transport, shared_memory=executor)
+
+
+def _open_shm(info: LaunchInfo, store: Any, keys: str, generation: int, transport: str, backend: str,
+              timeout_s: float) -> OrderedExecutor[shm.SharedMemoryGroup] | None:
+    """Map this host's segment of this generation when the transport allows it.
+
+    All ranks on one host: the allreduce is the shared-memory one. Several hosts with the same
+    number of ranks each: hierarchical, with one Gloo group per local index across the hosts, so
+    that each local rank carries its slice between hosts. The host's first rank creates the
+    segment, the others map it, and once all have (a barrier) its name is removed.
+    """
+    if transport == "gloo":
+        return None
+    why_not = "the backend is NCCL" if backend != "gloo" else "this system has no /dev/shm" if not shm.available() \
+        else None
+    hosts = _hosts(info, store, keys) if why_not is None else {}  # store traffic only where it can matter
+    host = _host_key(info)
+    sizes = {len(ranks) for ranks in hosts.values()}
+    why_not = why_not or ("hosts run different numbers of workers" if len(sizes) > 1
+                          else "every host runs a single worker" if sizes == {1} else None)
+    if why_not is not None:
+        if transport == "shm":
+            raise ConfigurationError(f"transport='shm' needs Gloo and several workers per host, but {why_not}; "
+                                     "use transport='auto' or 'gloo'.")
+        return None
+    local = hosts[host]
+    index = local.index(info.rank)
+    cross = _cross_host_groups(hosts, index, timeout_s) if len(hosts) > 1 else None
+    name = shm.segment_name(_job_id(store, info), generation)
+    key = f"{keys}shm/{host}"
+    group = created_by_first(index == 0, key, store, timeout_s,
+                              lambda create: shm.SharedMemoryGroup(name, index, len(local), timeout_s, create, cross))
+    dist.barrier()
+    if index == 0:  # every rank has it mapped: nothing is left in /dev/shm or the store, whatever happens next
+        group.unlink()
+        store.delete_key(key)  # a later init in this job (after shutdown) waits for its own segment
+    return OrderedExecutor(group, "shm")
+
+
+def prefix(generation: int, incarnation: int) -> str:
+    """The store keys of a generation's group; ``incarnation`` counts the groups this process left
+    with ``shutdown`` (the store still holds their addresses, and every rank shuts down alike)."""
+    return f"phalanx/g{generation}/" if incarnation == 0 else f"phalanx/g{generation}.{incarnation}/"
+
+
+def _cross_host_groups(hosts: dict[str, list[int]], mine: int, timeout_s: float) -> dist.ProcessGroup:
+    """One Gloo group per local index, joining that index's rank on every host (every rank creates
+    every group, in the same order); returns this rank's."""
+    ordered = [hosts[key] for key in sorted(hosts, key=lambda key: hosts[key][0])]
+    groups = [dist.new_group([ranks[index] for ranks in ordered], backend="gloo",
+                             timeout=datetime.timedelta(seconds=timeout_s)) for index in range(len(ordered[0]))]
+    return groups[mine]
+
+
+def _host_key(info: LaunchInfo) -> str:
+    """This rank's host for shared memory: the host name and its launcher (ranks of different
+    launchers, say in network namespaces of one machine, count as different hosts: each launcher
+    names its own segments)."""
+    return f"{socket.gethostname()}/{info.job_id}"
+
+
+def _hosts(info: LaunchInfo, store: Any, keys: str) -> dict[str, list[int]]:
+    """The ranks of each host in this generation, exchanged through the store."""
+    prefix = f"{keys}host/"
+    store.set(f"{prefix}{info.rank}", _host_key(info))
+    keys = [f"{prefix}{rank}" for rank in range(info.world_size)]
+    store.wait(keys)
+    hosts: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        hosts.setdefault(store.get(key).decode(), []).append(rank)
+    return hosts
+
+
+def _job_id(store: Any, info: LaunchInfo) -> str:
+    """The launcher's job id, or one agreed through the store (other launchers)."""
+    if info.job_id:
+        return info.job_id
+    return store.compare_set("phalanx/job", "", secrets.token_hex(4)).decode()
+
+
+def adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.device) -> Communicator:
+    """The user created the process group themselves: use it as it is."""
+    adopted = LaunchInfo(
+        source=f"{info.source}+existing-group",
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=info.local_rank,
+        local_world_size=info.local_world_size,
+        node_rank=info.node_rank,
+        master_addr=info.master_addr,
+        master_port=info.master_port,
+    )
+    backend = dist.get_backend()
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return Communicator(adopted, timeout_s, backend, device, store=None, cpu_group=cpu_group)
