@@ -137,10 +137,10 @@ def _sync_from_the_newest_commit() -> tuple:
         state.commit()
     root = state.sync()
     state.restore()
-    dp.reducer.reset()
+    dp.rebuild_reducer()
     x, y = next(iter(loader))
     optimizer.zero_grad()
-    F.mse_loss(dp(x), y).backward()  # the reducer still works after the reset
+    F.mse_loss(dp(x), y).backward()  # the rebuilt reducer works
     optimizer.step()
     return root, state.step, state.version, loader.state_dict()["consumed"], [p.detach().clone() for p in model.parameters()]
 

@@ -216,7 +216,7 @@ def _changing_global_batch(sample_counts: list[int]) -> dict:
         start, stop = share_bounds(samples, px.size(), px.rank())
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x[start:stop]), y[start:stop])
-        count_allreduce.append(model.reducer.summation._count_handle is not None)
+        count_allreduce.append(model.reducer.summation.weights._count_handle is not None)
         loss.backward()
         optimizer.step()
     return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
@@ -244,10 +244,13 @@ class ThroughRankZero(px.Reduction):
     """A custom reduction written against the documented interface only: the sum is formed on
     rank 0 and sent back (central storage's shape), instead of one allreduce."""
 
-    rescalable = True  # an exact sum: the reducer may weight with last step's sample count
-
     def __init__(self) -> None:
         self.calls = 0
+
+    def weights(self):
+        from phalanx.parallel.weights import ShareWeights
+
+        return ShareWeights(predict=True)  # an exact sum: weighted with last step's sample count
 
     def reduce(self, bucket):
         from phalanx.comm.collectives import then

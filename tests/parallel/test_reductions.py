@@ -69,7 +69,9 @@ def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_s
     step()
     kept = _residuals(reducer)
     assert set(kept) == set(range(len(params))) and any(bool(part.any()) for part in kept.values())
-    reducer.reset(float("inf"))  # one bucket instead of one per tensor: residuals follow their parameters
+    reducer.close()  # one bucket instead of one per tensor: residuals follow their parameters
+    reducer = GradientReducer(params, [str(i) for i in range(len(params))], float("inf"), reducer.summation,
+                              previous=reducer)
     assert len(reducer.bucket_sizes) == 1
     assert all(torch.equal(kept[i], part) for i, part in _residuals(reducer).items())
     step()
@@ -78,5 +80,7 @@ def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_s
         bucket.flat[: bucket.gradient_numel].normal_()
         reducer.reduction.reduce(bucket)
         bucket.state = BucketState.IN_FLIGHT
-    reducer.reset()
+    reducer.close()
+    reducer = GradientReducer(params, [str(i) for i in range(len(params))], float("inf"), reducer.summation,
+                              previous=reducer)
     assert all(torch.equal(after_one_more[i], part) for i, part in _residuals(reducer).items())

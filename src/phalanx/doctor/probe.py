@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import torch
 
 from phalanx.parallel.buckets import Bucket
-from phalanx.parallel.reductions import Cast, Reduction, Waitable
+from phalanx.parallel.reductions import Average, Cast, Reduction, Waitable
+from phalanx.parallel.weights import Weights
 from phalanx.profile import Recorder
 
 
@@ -29,19 +30,13 @@ class Probe(Reduction):
         self.name = inner.name
         self.measure_norms = False  # set by the session for the coming step
         # Only plain and cast sums leave this rank's gradient and the global average in the bucket.
-        self._has_norms = type(inner) in (Reduction, Cast) and inner.weights_by_share
+        self._has_norms = type(inner) in (Reduction, Average, Cast)
 
-    @property  # type: ignore[override]
-    def rescalable(self) -> bool:
-        return self.inner.rescalable
+    def weights(self) -> Weights:
+        return self.inner.weights()
 
-    @property  # type: ignore[override]
-    def weights_by_share(self) -> bool:
-        return self.inner.weights_by_share
-
-    @property  # type: ignore[override]
-    def follows_gradient_order(self) -> bool:
-        return self.inner.follows_gradient_order
+    def agree_order(self, observed: list[int], count: int) -> list[int] | None:
+        return self.inner.agree_order(observed, count)
 
     def reduce(self, bucket: Bucket) -> Waitable:
         """Record the launch (and this rank's gradient norm), then reduce as the model's reduction does."""

@@ -80,72 +80,60 @@ class DataParallel(nn.Module):
         replicate.broadcast_state(self.module)
         self._replicate_pending = False
 
-    def _make_reducer(self, threshold: float, summation: Summation | None = None,
-                      always: bool = False) -> GradientReducer | None:
-        if runtime.size() == 1 and not self._check_finite and summation is None and not always:
+    def _make_reducer(self, threshold: float) -> GradientReducer | None:
+        if runtime.size() == 1 and not self._check_finite:
             return None
+        return self._build_reducer(WeightedAverage(self._reduction), threshold)
+
+    def _build_reducer(self, summation: Summation, threshold_mb: float,
+                       previous: GradientReducer | None = None) -> GradientReducer:
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold,
-                               summation or self._reduction, self._check_finite, on_step_end=self.tuner)
+        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold_mb, summation,
+                               self._check_finite, on_step_end=self.tuner, previous=previous)
 
-    def use_summation(self, summation: Summation, threshold_mb: float) -> GradientReducer:
-        """Sum gradients with ``summation`` instead of the weighted average of ``reduction``.
+    def rebuild_reducer(self, *, reduction: reductions.Reduction | None = None, summation: Summation | None = None,
+                        threshold_mb: float | None = None) -> GradientReducer:
+        """Build the gradient engine afresh and return it: the one way to change how this model's
+        gradients are reduced, or to follow a re-formed group.
 
-        Reproducible mode (``px.ExactGradients``) switches the model to its fixed-point sum here:
-        the same hooks and reducer, buckets of about ``threshold_mb`` laid out afresh for the new
-        summation. Such a summation drives its own steps, so the forward no longer
-        counts samples and the small-local-batch warning is off (per-micro-batch statistics are
-        the design there). Returns the reducer, which exists from now on at any world size.
+        The new :class:`GradientReducer` replaces the current one, whose hooks are removed and whose
+        step in flight is forgotten (reductions' state, such as TopK residuals, goes back to before
+        that step and moves into the new buckets). It sums with ``summation`` (reproducible mode's
+        fixed-point sum), or the weighted average of ``reduction`` (how the strategies plug in),
+        else with what the current one used; in buckets of ``threshold_mb`` (default: the current
+        size). From then on the model has a reducer at any world size.
         """
-        self.check_batchnorm_batch = False
-        if self.reducer is None:
-            self.reducer = self._make_reducer(threshold_mb, summation)
-        else:
-            self.reducer.use(summation, threshold_mb)
+        if reduction is not None and summation is not None:
+            raise ConfigurationError("rebuild_reducer takes a reduction or a summation, not both.")
+        old = self.reducer
+        if reduction is not None:
+            self._reduction = reduction
+        if threshold_mb is None:
+            threshold_mb = old.threshold_mb if old else self.tuner.initial if self.tuner else DEFAULT_FUSION_THRESHOLD_MB
+        if summation is None:
+            summation = old.summation if old is not None and reduction is None else WeightedAverage(self._reduction)
+        if old is not None:
+            old.close()
+        self.reducer = self._build_reducer(summation, threshold_mb, previous=old)
         return self.reducer
 
-    def use_reduction(self, reduction: reductions.Reduction) -> None:
-        """Sum buckets with ``reduction`` from the next backward on, in buckets laid out for it.
-
-        How strategies plug in (central storage reduces onto one rank, a parameter-server worker
-        pushes to the servers); the reducer exists from now on at any world size.
-        """
-        self._reduction = reduction
-        if self.reducer is None:
-            self.reducer = self._make_reducer(DEFAULT_FUSION_THRESHOLD_MB, always=True)
-        else:
-            self.reducer.use(WeightedAverage(reduction))
-
-    def reset_reducer(self, threshold_mb: float | None = None) -> None:
-        """Forget any step in progress and lay out the buckets afresh, for a re-formed group.
-
-        Elastic recovery calls it on every member with the same ``threshold_mb``. A replica built
-        as a world of one (a worker that joined later) gets its reducer here; an ``"auto"``
-        threshold still being tuned stops at the threshold given.
-        """
-        if threshold_mb is None:
-            threshold_mb = self.reducer.threshold_mb if self.reducer else (
-                self.tuner.initial if self.tuner else DEFAULT_FUSION_THRESHOLD_MB)
-        if self.reducer is not None:
-            self.reducer.reset(threshold_mb)
-        else:
-            self.reducer = self._make_reducer(threshold_mb)
-        if self.tuner is not None and self.tuner.chosen is None:
-            self.tuner.chosen = threshold_mb
-        self._micro_step = 0
-
     def reshard(self, rank: int, world_size: int) -> None:
-        """After the group changed: forget the step in progress, lay out buckets as every peer does.
+        """After the group changed: a new reducer, with buckets laid out as every peer's.
 
         Called on every member of the new group, before the state synchronised with the group is
         loaded. In one exchange the members check that they built the same model and agree on the
-        fusion threshold (which a worker that joined later has not chosen yet).
+        fusion threshold (which a worker that joined later has not chosen yet); then
+        :meth:`rebuild_reducer` forgets the step in progress (a replica built as a world of one,
+        a worker that joined later, gets its reducer here).
         """
         mine = self.reducer.threshold_mb if self.reducer is not None else None
         everyone = collectives.allgather_object((replicate.describe(self.module), mine))
         replicate.raise_if_different([structure for structure, _ in everyone])
         agreed = next((t for _, t in everyone if t is not None), None)
-        self.reset_reducer(agreed)
+        self.rebuild_reducer(threshold_mb=agreed)
+        if self.tuner is not None and self.tuner.chosen is None:  # an "auto" threshold still tuned stops here
+            self.tuner.chosen = self.reducer.threshold_mb
+        self._micro_step = 0
         self._replicate_pending = False  # the state synchronised with the group is loaded next
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

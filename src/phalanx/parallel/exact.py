@@ -89,12 +89,23 @@ class ExactGradients:
         if not named:
             raise ConfigurationError("ExactGradients needs a model with at least one parameter that requires grad.")
         self._sum = FixedPointSum()
+        self._own_reducer: GradientReducer | None = None
         if isinstance(model, DataParallel):  # its reducer, hooks and all, sums exactly from now on
-            self._reducer = model.use_summation(self._sum, fusion_threshold_mb)
+            model.rebuild_reducer(summation=self._sum, threshold_mb=fusion_threshold_mb)
+            model.check_batchnorm_batch = False  # per-micro-batch statistics are the design here
         else:
-            self._reducer = GradientReducer([p for _, p in named], [name for name, _ in named],
-                                            fusion_threshold_mb, self._sum)
+            self._own_reducer = GradientReducer([p for _, p in named], [name for name, _ in named],
+                                                fusion_threshold_mb, self._sum)
         self._running_stats = RunningStatsFolding(model)
+
+    @property
+    def _reducer(self) -> GradientReducer:
+        """The engine summing into the fixed-point sum: the model's current one (elastic recovery
+        rebuilds it), or this object's own around a plain module."""
+        if self._own_reducer is not None:
+            return self._own_reducer
+        assert isinstance(self.model, DataParallel) and self.model.reducer is not None
+        return self.model.reducer
 
     def backward(self, loss_fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                  global_batch_size: int) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:

@@ -137,7 +137,6 @@ class FixedPointSum:
     exponents; so does a pass that failed.
     """
 
-    learns_order = False  # it drives its own steps; the layout comes from the caller
     follows_forward = False  # ExactGradients drives the passes, not the model's forward
 
     def __init__(self) -> None:
@@ -152,6 +151,10 @@ class FixedPointSum:
         self.params = list(params)
         if len(self.exponents) != len(self.params):
             self.exponents = torch.zeros(len(self.params), dtype=torch.int64)
+
+    def agree_order(self, observed: list[int]) -> list[int] | None:
+        """The layout is the caller's: the order is never relearnt."""
+        return None
 
     def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]:
         self._buckets = [FixedPointBucket.allocate(b, group, self.params) for b, group in enumerate(groups)]

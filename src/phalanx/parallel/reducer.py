@@ -24,7 +24,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from phalanx import faults, profile
-from phalanx.comm import collectives, runtime
+from phalanx.comm import runtime
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState, plan_buckets
 from phalanx.parallel.reductions import Reduction, Waitable
@@ -40,9 +40,9 @@ class Summation(Protocol):
     active: bool  # the hooks hand gradients over in the coming backward
     launching: bool  # this backward sends its complete buckets
     step_ends: bool  # and waits for them at its end
-    learns_order: bool  # the first step's gradient order lays out the buckets
 
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None: ...
+    def agree_order(self, observed: list[int]) -> list[int] | None: ...
     def expect_backward(self, local_samples: int) -> None: ...
     def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]: ...
     def begin_backward(self) -> None: ...
@@ -57,29 +57,36 @@ class Summation(Protocol):
 class GradientReducer:
     """Hooks, buckets and the per-backward state machine of one model's gradients.
 
-    ``summation`` is a :class:`Summation`, or a :class:`Reduction` for the weighted average.
+    Built once per way of summing and per group: ``summation`` is a :class:`Summation`, or a
+    :class:`Reduction` for the weighted average. To change either, :meth:`close` this reducer and
+    build another with ``previous=`` it: the new buckets take over the old ones' carried state
+    (TopK residuals, gradients in ``.grad``) and the gradient order learnt.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], threshold_mb: float,
                  summation: Summation | Reduction, check_finite: bool = False,
-                 on_step_end: Callable[[float], float | None] | None = None):
+                 on_step_end: Callable[[float], float | None] | None = None,
+                 previous: GradientReducer | None = None):
         self.params = list(params)
         self.names = list(names)
         self.check_finite = check_finite
         self.threshold_mb = threshold_mb
         self._on_step_end = on_step_end
-        self._buckets: list[Bucket] = []
-        self._order = list(reversed(range(len(self.params))))  # gradients become ready roughly in reverse
-        self.use(WeightedAverage(summation) if isinstance(summation, Reduction) else summation)
+        self._buckets: list[Bucket] = list(previous._buckets) if previous else []  # their state moves over
+        # gradients become ready roughly in reverse, until a first step shows the order
+        self._order = list(previous._order) if previous else list(reversed(range(len(self.params))))
+        self.summation = WeightedAverage(summation) if isinstance(summation, Reduction) else summation
+        self.summation.bind(self.params)
+        self._restart(threshold_mb)
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(index))
                        for index, param in enumerate(self.params)]
 
-    def use(self, summation: Summation, threshold_mb: float | None = None) -> None:
-        """Sum with ``summation`` from the next backward on, in fresh buckets of its own."""
-        self.summation = summation
-        summation.bind(self.params)
-        self._buckets = []  # the old buffers go before the new ones are allocated
-        self._restart(self.threshold_mb if threshold_mb is None else threshold_mb)
+    def close(self) -> None:
+        """Detach every hook and forget the step in flight (reductions' state goes back to before
+        it); the buckets stay readable for a successor built with ``previous=`` this reducer."""
+        for hook in self._hooks:
+            hook.remove()
+        self.summation.reset(self._buckets)
 
     @property
     def reduction(self) -> Reduction:
@@ -120,28 +127,19 @@ class GradientReducer:
             self._begin_backward(queue_finish=False)
             self._end_backward()
 
-    def remove(self) -> None:
-        """Detach every hook; the model goes back to plain local gradients."""
-        for hook in self._hooks:
-            hook.remove()
-
-    def reset(self, threshold_mb: float | None = None) -> None:
-        """Forget the step in progress, for a group that broke or was re-formed (elastic training).
-
-        Drops in-flight handles and the summation's step state, lays out fresh buckets (with
-        ``threshold_mb`` if given; reductions' state, such as TopK residuals, is kept, as they
-        were before the step in flight) and learns the gradient order again on the next
-        synchronised step. Every member of the new group must call it, so that reducers caught
-        in different phases by a failure agree again.
-        """
+    def reset(self) -> None:
+        """Forget the step in progress: a backward that raised before it ended (see
+        :meth:`forget_interrupted_backward`). Drops in-flight handles and the summation's step
+        state, lays out fresh buckets (reductions' state, such as TopK residuals, is kept, as it was
+        before the step in flight) and learns the gradient order again on the next synchronised
+        step."""
         self.summation.reset(self._buckets)
-        self._restart(self.threshold_mb if threshold_mb is None else threshold_mb)
+        self._restart(self.threshold_mb)
 
     def _restart(self, threshold_mb: float) -> None:
         self._in_backward = False
         self._next_launch = 0
-        learning = self.summation.follows_forward and self.summation.learns_order
-        self._observed_order: list[int] | None = [] if learning else None
+        self._observed_order: list[int] | None = [] if self.summation.follows_forward else None
         self._install(self._order, threshold_mb)
 
     # --- backward side --------------------------------------------------------------------
@@ -228,19 +226,15 @@ class GradientReducer:
     # --- bucket layout --------------------------------------------------------------------
 
     def _after_step(self) -> None:
-        """Adopt the observed gradient order once, and any fusion threshold the tuner picked."""
+        """Adopt the gradient order the summation agrees on after the first step, and any fusion
+        threshold the tuner picked."""
         order = None
         if self._observed_order is not None:
-            order = self._agreed_order(self._observed_order)
+            order = self.summation.agree_order(self._observed_order)
             self._observed_order = None
         threshold = self._on_step_end(time.perf_counter()) if self._on_step_end else None
         if order is not None or threshold is not None:
             self._install(order or self._order, threshold if threshold is not None else self.threshold_mb)
-
-    def _agreed_order(self, observed: list[int]) -> list[int]:
-        """Rank 0's order of readiness (then parameters never ready), identical on every rank."""
-        missing = [i for i in reversed(range(len(self.params))) if i not in set(observed)]
-        return collectives.broadcast_object(observed + missing, root=0)
 
     def _install(self, order: list[int], threshold_mb: float) -> None:
         """Lay out buckets for ``order``; the summation moves what it carries into them."""

@@ -1,12 +1,13 @@
 """How a ready bucket is summed over ranks: the engine's extension point.
 
 The reducer (:mod:`phalanx.parallel.reducer`) owns everything around a reduction: the hooks, the
-bucket layout, launching buckets strictly in order, waiting at the end of backward, and the
-weighting by sample counts. When a bucket is complete it calls ``reduction.reduce(bucket)``:
+bucket layout, launching buckets strictly in order and waiting at the end of backward. A
+reduction is its hook, as a communication hook is DDP's: when a bucket is complete the reducer
+calls ``reduction.reduce(bucket)``:
 
 * ``bucket.gradient`` holds this rank's gradients of the bucket's parameters, each already
-  multiplied by this rank's share of the global batch (``n_rank / N``), so their *sum* over ranks
-  is the global-batch average;
+  multiplied by the weight the reduction's own :meth:`Reduction.weights` gave (by default this
+  rank's share of the global batch, ``n_rank / N``, so their *sum* over ranks is the average);
 * ``bucket.trailer`` follows it in ``bucket.flat``: per parameter 1 where this rank had a gradient,
   then this rank's sample count. Its sum over ranks must arrive exactly;
 * ``bucket.context`` is a dict kept for this bucket from step to step (TopK keeps its residual).
@@ -15,7 +16,10 @@ weighting by sample counts. When a bucket is complete it calls ``reduction.reduc
 :class:`~phalanx.comm.collectives.Handle` from an ``async_op=True`` collective, or
 :func:`~phalanx.comm.collectives.then` of one) whose ``wait()`` leaves the sum over ranks in
 ``bucket.flat``. Buffers arrive already weighted, so casting after this "divide first" cannot
-overflow where the average itself would not.
+overflow where the average itself would not. The built-in reductions are :class:`Average` (the
+default), :class:`Cast` (``"fp16"``/``"bf16"``) and :class:`TopK`; the strategies add the
+parameter-server push and central storage's reduction onto one rank, and reproducible mode's
+fixed-point sum is a summation of the reducer (:mod:`phalanx.parallel.fixed_point`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import Bucket
+from phalanx.parallel.weights import ShareWeights, Weights
 
 
 class Waitable(Protocol):
@@ -36,33 +41,35 @@ class Waitable(Protocol):
 
 
 class Reduction:
-    """Sums buckets as they are: one in-place allreduce each (the default, exact in float).
+    """Sums buckets as they are: one in-place allreduce each (exact in float).
 
-    Subclass it and override :meth:`reduce` for another way (see docs/architecture.md).
+    The engine's hook: subclass it and override :meth:`reduce` for another way (see
+    docs/architecture.md). Everything that differs between ways of summing is the reduction's own
+    business, asked for through its methods: how this rank's gradients are weighted
+    (:meth:`weights`), the order and grouping of its buckets (:meth:`agree_order`,
+    :meth:`bucket_groups`) and the state it carries from step to step.
     """
 
     name = "average"
-    #: Whether scaling a bucket after the sum equals scaling every rank's buffer before it. True for
-    #: an exact sum; a subclass is taken to be False unless it declares otherwise. The reducer
-    #: relies on it to skip the per-step sample-count allreduce (see :mod:`phalanx.parallel.reducer`).
-    rescalable = True
-    #: True: each rank's gradients arrive multiplied by its share ``n_r / N`` of the global batch,
-    #: so the plain sum over ranks is the average. False: multiplied by the rank's sample count
-    #: ``n_r`` alone, with no count collective among ranks, for a receiver that divides the sum by
-    #: the counts in the trailers itself (a parameter server).
-    weights_by_share = True
-    #: Whether buckets follow the order in which gradients became ready in the first step (rank
-    #: 0's, agreed by one broadcast). A reduction with a layout of its own sets False.
-    follows_gradient_order = True
     #: How the allreduce crosses the network (``px.DataParallel(algorithm=...)`` sets it): ``"auto"``
     #: (shared memory within a host, the cost model's choice between hosts), ``"backend"``,
     #: ``"ring"``, ``"tree"`` or ``"halving_doubling"``; see :func:`phalanx.comm.collectives.allreduce`.
     algorithm = "auto"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "rescalable" not in cls.__dict__:
-            cls.rescalable = False
+    def weights(self) -> Weights:
+        """How this rank's gradients are weighted before the sum (see :mod:`phalanx.parallel.weights`).
+
+        By default each rank's share of the global batch, its count summed every step: a sum that
+        is not known to be exact and linear cannot be rescaled afterwards. An exact sum may return
+        ``ShareWeights(predict=True)`` and save that count allreduce on most steps.
+        """
+        return ShareWeights(predict=False)
+
+    def agree_order(self, observed: list[int], count: int) -> list[int] | None:
+        """The order of the ``count`` parameters that buckets follow from now on, given the order in
+        which their gradients became ready in the first step (``observed``); ``None`` keeps the
+        layout. By default rank 0's order (then parameters never ready), agreed by one broadcast."""
+        return ranks_zero_order(observed, count)
 
     def reduce(self, bucket: Bucket) -> Waitable:
         """Start summing ``bucket.flat`` over ranks; the returned handle's ``wait()`` completes it."""
@@ -85,6 +92,20 @@ class Reduction:
 
     def rollback(self, state: dict[str, Any]) -> None:
         """Undo what reducing a bucket did to ``state``, for a step that is redone (elastic recovery)."""
+
+
+def ranks_zero_order(observed: list[int], count: int) -> list[int]:
+    """Rank 0's order of readiness of ``count`` parameters (then those never ready), on every rank."""
+    seen = set(observed)
+    missing = [index for index in reversed(range(count)) if index not in seen]
+    return collectives.broadcast_object(observed + missing, root=0)
+
+
+class Average(Reduction):
+    """The default: the plain sum, which is exact, so the weights may assume last step's count."""
+
+    def weights(self) -> Weights:
+        return ShareWeights(predict=True)
 
 
 class Cast(Reduction):
@@ -164,7 +185,7 @@ class TopK(Reduction):
 def resolve(reduction: str | Reduction | None) -> Reduction:
     """Turn the user's ``reduction=`` (or ``compression=``) argument into a :class:`Reduction`."""
     if reduction is None or reduction in ("none", "average"):
-        return Reduction()
+        return Average()
     if isinstance(reduction, Reduction):
         return reduction
     casts = {"fp16": torch.float16, "bf16": torch.bfloat16}

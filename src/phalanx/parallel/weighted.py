@@ -3,24 +3,17 @@
 The hook writes each gradient, multiplied by this rank's weight, into its bucket slot (and makes
 ``.grad`` a view of that slot); a complete bucket is summed over ranks by the model's
 :class:`~phalanx.parallel.reductions.Reduction`; after the wait, ``.grad`` points at the sums.
-
-Weights make the average exact when ranks hold different numbers of samples: rank ``r``
-contributes ``n_r / N`` of its mean gradient. The global count ``N`` of the first synchronised
-step is summed by a tiny allreduce launched at forward time. Every bucket's trailer also carries
-the sample counts, so after each step all ranks know that step's ``N``; from then on (for exact,
-uncompressed sums of float32/float64 buckets) the next step is weighted with the last ``N`` and
-needs no count allreduce at all: one collective and one synchronisation point fewer per step.
-Should the count differ after all (a short last batch), every rank sees so in the trailer and
-rescales its summed buckets by ``N_assumed / N``, which gives the same average up to rounding.
+How gradients are weighted is the reduction's choice (:meth:`Reduction.weights`, see
+:mod:`phalanx.parallel.weights`): by default each rank's share of the global batch, so that
+uneven shares still give the exact global-batch average.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from phalanx.comm import collectives, runtime
 from phalanx.parallel.buckets import Bucket, BucketState
 from phalanx.parallel.reductions import Reduction, Waitable
 
@@ -35,38 +28,24 @@ class WeightedAverage:
 
     def __init__(self, reduction: Reduction):
         self.reduction = reduction
+        self.weights = reduction.weights()
         self.active = True  # the coming backward is synchronised (``DataParallel`` decides)
         self.params: list[torch.nn.Parameter] = []
-        self._reset_counts()
-        self._predicted_total: int | None = None  # last step's global count: this step's assumed one
-        self._weight = 1.0 / runtime.size()
-
-    @property
-    def learns_order(self) -> bool:
-        """Whether the reducer should learn the gradient order of the first step for the layout."""
-        return self.reduction.follows_gradient_order
+        self._weight = 0.0
 
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
-        self._can_predict = self.reduction.rescalable and all(
-            p.dtype in (torch.float32, torch.float64) for p in self.params)
+        self.weights.bind(self.params)
 
-    def _reset_counts(self) -> None:
-        self._local_samples = 0
-        self._count_handle: Any = None
-        self._counted = False  # a training forward registered samples for the coming synchronised step
-        self._weight_total: int | None = None  # the assumed count this step's weights used, if any
+    def agree_order(self, observed: list[int]) -> list[int] | None:
+        """The bucket order from the next step on: the reduction's to decide."""
+        return self.reduction.agree_order(observed, len(self.params))
 
     # --- forward side ---------------------------------------------------------------------
 
     def expect_backward(self, local_samples: int) -> None:
-        """Record a training forward of ``local_samples``; start summing the global count unless it is known."""
-        self._local_samples += local_samples
-        if self.active and runtime.size() > 1 and self.reduction.weights_by_share:
-            self._counted = True
-            if self._predicted_total is None:
-                count = torch.tensor([self._local_samples], dtype=torch.int64)
-                self._count_handle = collectives.allreduce_(count, "sum", async_op=True, check=False)
+        """Record a training forward of ``local_samples`` (the weights may start counting globally)."""
+        self.weights.count(local_samples, self.active)
 
     def reset(self, buckets: Sequence[Bucket]) -> None:
         """Forget the step in progress; reductions' state goes back to before a step in flight."""
@@ -74,8 +53,7 @@ class WeightedAverage:
             if bucket.state is BucketState.IN_FLIGHT:  # launched in the step that is redone
                 self.reduction.rollback(bucket.context)
         self.active = True
-        self._reset_counts()
-        self._predicted_total = None
+        self.weights.reset()
 
     # --- buckets ----------------------------------------------------------------------------
 
@@ -111,19 +89,7 @@ class WeightedAverage:
     # --- one backward -----------------------------------------------------------------------
 
     def begin_backward(self) -> None:
-        self._weight = self._resolve_weight()
-
-    def _resolve_weight(self) -> float:
-        self._weight_total = None
-        if not self.reduction.weights_by_share:  # the receiver divides by the summed counts
-            return float(self._local_samples)
-        if self._count_handle is not None:
-            total = int(self._count_handle.wait())
-            return self._local_samples / total if total else 0.0
-        if self._counted and self._predicted_total is not None:
-            self._weight_total = self._predicted_total  # checked against the trailers once summed
-            return self._local_samples / self._predicted_total
-        return 1.0 / runtime.size()
+        self._weight = self.weights.weight()
 
     def pack(self, bucket: Bucket, slot: int, param: torch.nn.Parameter) -> None:
         """Write this parameter's weighted gradient into its bucket slot (zero if it has none)."""
@@ -145,7 +111,7 @@ class WeightedAverage:
         """Nothing to add: the weighted gradients are in place."""
 
     def launch(self, bucket: Bucket) -> Waitable:
-        bucket.write_trailer(self._local_samples)
+        bucket.write_trailer(self.weights.local_samples())
         return self.reduction.reduce(bucket)
 
     def end_backward(self, buckets: Sequence[Bucket]) -> None:
@@ -153,31 +119,17 @@ class WeightedAverage:
         total = None
         for bucket in buckets:
             total = self._publish(bucket)
-        self._learn_total(total)
-        self._reset_counts()
+        self.weights.end_step(total)
 
     def _publish(self, bucket: Bucket) -> int:
         """Point ``.grad`` at the averaged slot; parameters no rank had a gradient for keep ``None``.
 
-        Returns the global sample count the trailer carried. Where the weights assumed another
-        (non-zero) count, the summed gradients are rescaled to the true one first.
+        Returns the global sample count the trailer carried; the weights settle the sums with it
+        first (rescaling them where they assumed another count).
         """
         used, samples = bucket.read_trailer()
         total = int(round(samples))
-        if self._weight_total is not None and total not in (0, self._weight_total):
-            bucket.flat[: bucket.gradient_numel].mul_(self._weight_total / total)
+        self.weights.settle(bucket, total)
         for slot, index in enumerate(bucket.param_indices):
             self.params[index].grad = bucket.views[slot] if used[slot] > 0 else None
         return total
-
-    def _learn_total(self, total: int | None) -> None:
-        """Remember this step's global count, to weight the next step with it.
-
-        Every rank holds the same summed trailer, so every rank makes the same decision here and
-        all of them skip (or launch) the next count allreduce together. Counts above 2**24 are
-        not exact in a float32 trailer, and a step without samples cannot be rescaled later.
-        """
-        if total is not None and self._can_predict and runtime.size() > 1 and 0 < total < 2**24:
-            self._predicted_total = total
-        else:
-            self._predicted_total = None

@@ -125,7 +125,7 @@ class CentralStorage:
         if self.rank >= runtime.size():
             raise ConfigurationError(f"CentralStorage(rank={self.rank}) but the job has {runtime.size()} worker(s).")
         wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
-        wrapped.use_reduction(ReduceToStorage(self.rank))
+        wrapped.rebuild_reducer(reduction=ReduceToStorage(self.rank))
         params = list(wrapped.parameters())
         shared = self._share_parameters() and bool(params)
         if shared:

@@ -21,6 +21,7 @@ from phalanx.comm.channel import Channel, ChannelClosed
 from phalanx.errors import CheckpointError, CollectiveTimeoutError, ConfigurationError, ServerFailedError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.reductions import Reduction, Waitable
+from phalanx.parallel.weights import SampleWeights, Weights
 from phalanx.strategies import protocol as wire
 from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies.placement import Group, all_groups
@@ -259,10 +260,14 @@ class PushToServers(Reduction):
     """The reduction of a parameter-server worker: each bucket is one server group, pushed as it completes."""
 
     name = "push to parameter servers"
-    weights_by_share = False  # the servers divide by the summed sample counts
 
     def __init__(self, client: ServerClient):
         self.client = client
+
+    def weights(self) -> Weights:
+        """Each worker's sample count, with no collective among workers: the servers divide by the
+        summed counts (asynchronous workers never meet)."""
+        return SampleWeights()
 
     def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
         """One bucket per server group, launched in the order their first gradients become ready."""

@@ -61,7 +61,7 @@ class ParameterServer:
         wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         self.client = ServerClient(params)
-        wrapped.use_reduction(PushToServers(self.client))
+        wrapped.rebuild_reducer(reduction=PushToServers(self.client))
         self.client.initialise()
         return wrapped, ServerOptimizer(optimizer, self.client)
 

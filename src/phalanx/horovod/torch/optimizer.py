@@ -72,7 +72,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _build_reducer(self) -> None:
         """Hook every trainable parameter of the wrapped optimizer into a gradient engine."""
         if self._reducer is not None:
-            self._reducer.remove()
+            self._reducer.close()
         self._reducer = self._summation = None
         if not self.process_set.included() or set_size(self.process_set) == 1:
             return  # nothing to average with (Horovod likewise hooks nothing)

@@ -20,7 +20,7 @@ from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import timeline
 from phalanx.parallel.buckets import Bucket
-from phalanx.parallel.reductions import Waitable
+from phalanx.parallel.reductions import Waitable, ranks_zero_order
 
 
 class HorovodAverage:
@@ -46,11 +46,12 @@ class HorovodAverage:
         self._task = -1
         self._started: list[float] = []
 
-    @property
-    def learns_order(self) -> bool:
+    def agree_order(self, observed: list[int]) -> list[int] | None:
         """Buckets follow the first step's gradient order, agreed over the whole job, unless the
         user grouped the parameters or a process set reduces them."""
-        return self.groups is None and self.scope is None
+        if self.groups is not None or self.scope is not None:
+            return None
+        return ranks_zero_order(observed, len(self.params))
 
     @property
     def active(self) -> bool:
