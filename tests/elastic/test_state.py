@@ -130,9 +130,9 @@ def _sync_from_the_newest_commit() -> tuple:
     state.restore()
     if rank == 1:  # diverges locally, as a survivor whose last step completed where others failed
         local = DistributedLoader(data, 8, seed=2, rank=0, world_size=1)
-        dp.reducer.syncing = False  # local steps, without the peer
         batches = iter(local)
-        train_steps(model, optimizer, [next(batches) for _ in range(2)], state)
+        with dp.no_sync():  # local steps, without the peer
+            train_steps(dp, optimizer, [next(batches) for _ in range(2)], state)
         loader.load_state_dict(local.state_dict())
         state.commit()
     root = state.sync()

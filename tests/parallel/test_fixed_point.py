@@ -10,7 +10,9 @@ import torch
 import phalanx as px
 from phalanx.parallel import fixed_point
 from phalanx.parallel.fixed_point import FixedPointSum
-from phalanx.parallel.reducer import GradientReducer
+from phalanx.parallel.reducer import GradientReducer, Phase
+
+ENGINES: dict[int, GradientReducer] = {}  # each summation's engine, which the passes drive
 
 
 def _params(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
@@ -22,7 +24,8 @@ def _pass(reducer: FixedPointSum, params: list, micro_grads: list[list[torch.Ten
     """One pass: per micro-batch, a backward that gives each parameter the listed gradient."""
     reducer.begin_pass(len(micro_grads), calibrate=calibrate)
     for k, (grads, size) in enumerate(zip(micro_grads, samples)):
-        reducer.begin_micro_batch(size, last=k == len(micro_grads) - 1)
+        reducer.begin_micro_batch(size)
+        ENGINES[id(reducer)].expect_backward(size, Phase.REDUCE if k == len(micro_grads) - 1 else Phase.GATHER)
         terms = [(p * g).sum() for p, g in zip(params, grads) if g is not None]
         torch.stack(terms).sum().backward()  # the reducer's end of backward completes the micro-batch
     return reducer.finish_pass()
@@ -30,7 +33,8 @@ def _pass(reducer: FixedPointSum, params: list, micro_grads: list[list[torch.Ten
 
 def _calibrated(params: list, micro_grads: list, samples: list[int]) -> FixedPointSum:
     reducer = FixedPointSum()
-    GradientReducer(params, [str(i) for i in range(len(params))], 25.0, reducer)  # kept alive by its hooks
+    ENGINES[id(reducer)] = GradientReducer(params, [str(i) for i in range(len(params))], 25.0, reducer,
+                                           follows_forward=False)
     assert not _pass(reducer, params, micro_grads, samples, calibrate=True)
     reducer.recalibrate()
     return reducer

@@ -54,7 +54,7 @@ def _residuals(reducer) -> dict[int, torch.Tensor]:
 
 
 def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_step() -> None:
-    from phalanx.parallel.reducer import GradientReducer
+    from phalanx.parallel.reducer import GradientReducer, Phase
 
     px.init()
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def test_topk_residuals_survive_a_new_bucket_layout_and_roll_back_for_a_redone_s
     reducer = GradientReducer(params, [str(i) for i in range(len(params))], 0.0, px.TopK(0.3))
 
     def step() -> None:
-        reducer.expect_backward(32)
+        reducer.expect_backward(32, Phase.REDUCE)
         net(torch.randn(32, 8)).pow(2).mean().backward()
 
     step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel import batchnorm, reductions, replicate
 from phalanx.parallel.autotune import FusionTuner
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
-from phalanx.parallel.reducer import GradientReducer, Summation
+from phalanx.parallel.accumulation import Accumulation
+from phalanx.parallel.reducer import GradientReducer, Phase, Summation
 from phalanx.parallel.weighted import WeightedAverage
 
 
@@ -46,14 +47,10 @@ class DataParallel(nn.Module):
                  sync_batchnorm: bool = False, check_finite: bool = False, broadcast: bool = True,
                  compression: str | reductions.Reduction | None = None, algorithm: str = "auto"):
         super().__init__()
-        if accumulate_steps < 1:
-            raise ConfigurationError(f"accumulate_steps must be at least 1, got {accumulate_steps}.")
+        self.accumulation = Accumulation(accumulate_steps)
         self.module = batchnorm.SyncBatchNorm.convert(module) if sync_batchnorm else module
-        self.accumulate_steps = accumulate_steps
         self.tuner = FusionTuner() if fusion_threshold_mb == "auto" else None
         threshold = self.tuner.initial if self.tuner else _validate_threshold(fusion_threshold_mb)
-        self._micro_step = 0
-        self._skip_sync = False
         #: Warn once if the first local batch is too small for local batch-norm statistics.
         #: Reproducible mode turns it off: there, per-micro-batch statistics are the design.
         self.check_batchnorm_batch = True
@@ -85,14 +82,20 @@ class DataParallel(nn.Module):
             return None
         return self._build_reducer(WeightedAverage(self._reduction), threshold)
 
-    def _build_reducer(self, summation: Summation, threshold_mb: float,
-                       previous: GradientReducer | None = None) -> GradientReducer:
+    def _build_reducer(self, summation: Summation, threshold_mb: float, previous: GradientReducer | None = None,
+                       follows_forward: bool = True) -> GradientReducer:
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         return GradientReducer([p for _, p in named], [name for name, _ in named], threshold_mb, summation,
-                               self._check_finite, on_step_end=self.tuner, previous=previous)
+                               self._check_finite, on_step_end=self.tuner, previous=previous,
+                               follows_forward=follows_forward)
+
+    @property
+    def accumulate_steps(self) -> int:
+        """Backwards per optimizer step; only the last of them is reduced over ranks."""
+        return self.accumulation.steps
 
     def rebuild_reducer(self, *, reduction: reductions.Reduction | None = None, summation: Summation | None = None,
-                        threshold_mb: float | None = None) -> GradientReducer:
+                        threshold_mb: float | None = None, follows_forward: bool | None = None) -> GradientReducer:
         """Build the gradient engine afresh and return it: the one way to change how this model's
         gradients are reduced, or to follow a re-formed group.
 
@@ -101,7 +104,9 @@ class DataParallel(nn.Module):
         that step and moves into the new buckets). It sums with ``summation`` (reproducible mode's
         fixed-point sum), or the weighted average of ``reduction`` (how the strategies plug in),
         else with what the current one used; in buckets of ``threshold_mb`` (default: the current
-        size). From then on the model has a reducer at any world size.
+        size; given, it also ends an ``"auto"`` search). ``follows_forward=False`` hands the steps to a
+        caller that drives them (reproducible mode): the model's forward then leaves the reducer
+        alone. From then on the model has a reducer at any world size.
         """
         if reduction is not None and summation is not None:
             raise ConfigurationError("rebuild_reducer takes a reduction or a summation, not both.")
@@ -110,11 +115,16 @@ class DataParallel(nn.Module):
             self._reduction = reduction
         if threshold_mb is None:
             threshold_mb = old.threshold_mb if old else self.tuner.initial if self.tuner else DEFAULT_FUSION_THRESHOLD_MB
+        elif self.tuner is not None and self.tuner.chosen is None:
+            self.tuner.chosen = threshold_mb
         if summation is None:
             summation = old.summation if old is not None and reduction is None else WeightedAverage(self._reduction)
+        if follows_forward is None:
+            follows_forward = old.follows_forward if old is not None else True
         if old is not None:
             old.close()
-        self.reducer = self._build_reducer(summation, threshold_mb, previous=old)
+        self.accumulation.restart()
+        self.reducer = self._build_reducer(summation, threshold_mb, previous=old, follows_forward=follows_forward)
         return self.reducer
 
     def reshard(self, rank: int, world_size: int) -> None:
@@ -131,9 +141,6 @@ class DataParallel(nn.Module):
         replicate.raise_if_different([structure for structure, _ in everyone])
         agreed = next((t for _, t in everyone if t is not None), None)
         self.rebuild_reducer(threshold_mb=agreed)
-        if self.tuner is not None and self.tuner.chosen is None:  # an "auto" threshold still tuned stops here
-            self.tuner.chosen = self.reducer.threshold_mb
-        self._micro_step = 0
         self._replicate_pending = False  # the state synchronised with the group is loaded next
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -143,22 +150,17 @@ class DataParallel(nn.Module):
         if self.check_batchnorm_batch:
             self.check_batchnorm_batch = False
             batchnorm.warn_if_small_local_batch(self.module, local_samples)
-        if self.reducer is not None and self.reducer.summation.follows_forward and self.training \
-                and torch.is_grad_enabled():
-            self._micro_step += 1
-            self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0
-            self.reducer.expect_backward(local_samples)
+        if self.reducer is not None and self.reducer.follows_forward and self.training and torch.is_grad_enabled():
+            self.reducer.expect_backward(local_samples, self._next_phase())
         profile.mark("forward" if self.training else "eval_forward", samples=local_samples)
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def _next_phase(self) -> Phase:
+        return Phase.REDUCE if self.accumulation.next_backward() else Phase.IDLE
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Within this block, backward accumulates local gradients without communicating."""
-        previous, self._skip_sync = self._skip_sync, True
-        try:
-            yield
-        finally:
-            self._skip_sync = previous
+        return self.accumulation.no_sync()
 
     def reduce_without_data(self) -> None:
         """Join this step's reduction from a rank that has no samples for it.
@@ -166,10 +168,9 @@ class DataParallel(nn.Module):
         The rank contributes zero gradient and zero samples, and afterwards holds the same
         averaged ``.grad`` as every other rank, so its optimizer step keeps the replicas equal.
         """
-        if self.reducer is None or not self.reducer.summation.follows_forward:
+        if self.reducer is None or not self.reducer.follows_forward:
             return
-        self._micro_step += 1
-        self.reducer.syncing = not self._skip_sync and self._micro_step % self.accumulate_steps == 0
+        self.reducer.expect_backward(0, self._next_phase())
         self.reducer.reduce_without_data()
 
     @property

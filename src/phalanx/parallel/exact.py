@@ -34,7 +34,7 @@ from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.fixed_point import FixedPointSum
-from phalanx.parallel.reducer import GradientReducer
+from phalanx.parallel.reducer import GradientReducer, Phase
 from phalanx.parallel.running_stats import RunningStatsFolding
 
 #: A step is recomputed at most this often; only a model that is not deterministic needs more.
@@ -91,11 +91,11 @@ class ExactGradients:
         self._sum = FixedPointSum()
         self._own_reducer: GradientReducer | None = None
         if isinstance(model, DataParallel):  # its reducer, hooks and all, sums exactly from now on
-            model.rebuild_reducer(summation=self._sum, threshold_mb=fusion_threshold_mb)
+            model.rebuild_reducer(summation=self._sum, threshold_mb=fusion_threshold_mb, follows_forward=False)
             model.check_batchnorm_batch = False  # per-micro-batch statistics are the design here
         else:
             self._own_reducer = GradientReducer([p for _, p in named], [name for name, _ in named],
-                                                fusion_threshold_mb, self._sum)
+                                                fusion_threshold_mb, self._sum, follows_forward=False)
         self._running_stats = RunningStatsFolding(model)
 
     @property
@@ -152,20 +152,22 @@ class ExactGradients:
         finally:
             self._running_stats.end_recording()
         if not micro:  # this rank still takes part in the pass's allreduce
-            self._sum.begin_micro_batch(0, last=True)
+            self._sum.begin_micro_batch(0)
+            self._reducer.expect_backward(0, Phase.REDUCE)
             self._reducer.reduce_without_data()
         return results
 
     def _run_one(self, loss_fn: Callable, inputs: Sequence[torch.Tensor], targets: torch.Tensor,
                  part: MicroBatch, last: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
         torch.manual_seed(mix_seed(self.seed, self.step, part.index))
-        self._sum.begin_micro_batch(part.size, last)
+        self._sum.begin_micro_batch(part.size)
+        self._reducer.expect_backward(part.size, Phase.REDUCE if last else Phase.GATHER)
         self._running_stats.begin_micro_batch(part.index)
         rows = slice(part.start, part.stop)
         outputs = self.model(*(x[rows] for x in inputs))
         loss = loss_fn(outputs, targets[rows])
         loss.backward()  # the reducer's hooks quantise; the end of backward completes (and sends) buckets
-        if self._sum.active:  # no gradient reached a hook, so there was no end of backward to hook into
+        if self._reducer.awaiting_backward:  # no gradient reached a hook: no end of backward was hooked into
             self._reducer.reduce_without_data()
         return _detach(outputs), targets[rows], loss.detach()
 

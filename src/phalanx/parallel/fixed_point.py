@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 
 from phalanx.comm import collectives, runtime
+from phalanx.comm.handles import done
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState
 from phalanx.parallel.reductions import Waitable
@@ -129,22 +130,19 @@ class FixedPointSum:
     """The exact sum as the reducer's summation: integers in float64 over a rank's micro-batches.
 
     ``ExactGradients`` drives it: a *pass* runs a rank's micro-batches of one step:
-    ``begin_pass``, then per micro-batch ``begin_micro_batch`` and backward (the reducer's hooks
-    quantise; the last backward launches and waits; a rank with none calls the reducer's
-    ``reduce_without_data`` after ``begin_micro_batch(0, last=True)``), then ``finish_pass``,
+    ``begin_pass``, then per micro-batch ``begin_micro_batch`` and a backward the reducer expects
+    (gathering; the last one reducing: it launches and waits; a rank with none calls the
+    reducer's ``reduce_without_data`` after expecting a reducing backward), then ``finish_pass``,
     which says whether the exponents held, and ``publish``. A pass with ``calibrate=True`` only
     measures the gradients' largest entries (nothing is sent) and ``recalibrate`` turns them into
     exponents; so does a pass that failed.
     """
 
-    follows_forward = False  # ExactGradients drives the passes, not the model's forward
-
     def __init__(self) -> None:
         self.params: list[torch.nn.Parameter] = []
         self.exponents = torch.zeros(0, dtype=torch.int64)
         self._buckets: list[FixedPointBucket] = []
-        self.active = self.launching = self.step_ends = self._calibrate = self._in_flight = False
-        self._held = False
+        self._calibrate = self._in_flight = self._held = False
         self._samples = self._limit_bits = 0
 
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -168,12 +166,12 @@ class FixedPointSum:
         for bucket in self._buckets:
             bucket.set_exponents(self.exponents[bucket.param_indices].tolist())
 
-    def expect_backward(self, local_samples: int) -> None:
+    def expect_backward(self, local_samples: int, reduces: bool) -> None:
         """Samples come with ``begin_micro_batch`` here."""
 
     def reset(self, buckets: Sequence[Bucket]) -> None:
-        """Forget the pass in progress (the reducer lays out fresh buckets next)."""
-        self.active = self.launching = self.step_ends = False
+        """Forget the pass in progress: the next one starts with :meth:`begin_pass`, which gives
+        buffers an interrupted pass may still have in flight fresh ones."""
 
     # --- one pass ---------------------------------------------------------------------------
 
@@ -199,11 +197,9 @@ class FixedPointSum:
             bucket.handle, bucket.state = None, BucketState.DONE
         return self._buckets[0].payload
 
-    def begin_micro_batch(self, samples: int, last: bool) -> None:
+    def begin_micro_batch(self, samples: int) -> None:
         """Clear every ``.grad``, so that autograd hands each gradient over in a fresh tensor."""
-        self._samples, self.active = samples, True
-        self.launching = last and not self._calibrate
-        self.step_ends = last
+        self._samples = samples
         for param in self.params:
             param.grad = None
 
@@ -286,18 +282,18 @@ class FixedPointSum:
         torch.maximum(bucket.local_max, largest, out=bucket.local_max)  # NaN propagates
 
     def launch(self, bucket: FixedPointBucket) -> Waitable:  # type: ignore[override]
+        """Send the sums; a calibrating pass only measured the gradients and sends nothing."""
+        if self._calibrate:
+            return done(None, async_op=True)
         self._write_trailer(bucket)
         self._in_flight = True
         return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False)
 
-    def end_backward(self, buckets: Sequence[Bucket]) -> None:
-        """After the last micro-batch's wait: did the exponents hold?"""
-        self.active = False
-        if self.step_ends and not self._calibrate:
+    def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None:
+        """After the last micro-batch's wait: did the exponents hold? (Never in a calibrating pass.)"""
+        if reduced:
             self._in_flight = False
-            self._held = all(self._held_in(bucket) for bucket in self._buckets)
-        elif self.step_ends:
-            self._held = False
+            self._held = not self._calibrate and all(self._held_in(bucket) for bucket in self._buckets)
 
     def _held_in(self, bucket: FixedPointBucket) -> bool:
         _, nonzero, big, over = bucket.trailer

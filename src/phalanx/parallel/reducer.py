@@ -7,7 +7,11 @@ strictly in bucket order, so every rank issues the same collectives in the same 
 autograd finishes, a callback completes the buckets still open (parameters that got no gradient
 contribute zero), launches them, waits for all of them, and lets the summation publish the result.
 
-What differs between ways of summing is the summation (see :class:`Summation`):
+Whoever drives the steps tells the reducer what each backward does, a :class:`Phase`: nothing
+(gradients accumulate in ``.grad``), gather into the buckets without sending (an exact sum's
+micro-batches), or reduce. Which backward of a step reduces is decided by the one accumulation
+mechanism (:mod:`phalanx.parallel.accumulation`). What differs between ways of summing is the
+summation (see :class:`Summation`):
 
 * :class:`~phalanx.parallel.weighted.WeightedAverage`, ``px.DataParallel``'s: sample-weighted
   float gradients summed by a pluggable :class:`~phalanx.parallel.reductions.Reduction`;
@@ -17,6 +21,7 @@ What differs between ways of summing is the summation (see :class:`Summation`):
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from typing import Callable, Protocol, Sequence
@@ -33,24 +38,27 @@ from phalanx.parallel.weighted import WeightedAverage
 logger = logging.getLogger(__name__)
 
 
+class Phase(enum.Enum):
+    """What one backward does with the gradients."""
+
+    IDLE = "idle"  # nothing: they accumulate in ``.grad`` (a backward that is not the step's last)
+    GATHER = "gather"  # into the buckets, nothing sent (an exact sum's micro-batch that is not the last)
+    REDUCE = "reduce"  # into the buckets; complete buckets sent, waited for at the end, published
+
+
 class Summation(Protocol):
     """What a bucket holds and how it is summed: the part of the engine that differs per mode."""
 
-    follows_forward: bool  # the model's forward starts a step (else the caller drives the steps)
-    active: bool  # the hooks hand gradients over in the coming backward
-    launching: bool  # this backward sends its complete buckets
-    step_ends: bool  # and waits for them at its end
-
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None: ...
     def agree_order(self, observed: list[int]) -> list[int] | None: ...
-    def expect_backward(self, local_samples: int) -> None: ...
+    def expect_backward(self, local_samples: int, reduces: bool) -> None: ...
     def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]: ...
     def begin_backward(self) -> None: ...
     def pack(self, bucket: Bucket, slot: int, param: torch.nn.Parameter) -> None: ...
     def fill(self, bucket: Bucket, slot: int) -> None: ...
     def complete(self, bucket: Bucket) -> None: ...
     def launch(self, bucket: Bucket) -> Waitable: ...
-    def end_backward(self, buckets: Sequence[Bucket]) -> None: ...
+    def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None: ...
     def reset(self, buckets: Sequence[Bucket]) -> None: ...
 
 
@@ -61,12 +69,23 @@ class GradientReducer:
     :class:`Reduction` for the weighted average. To change either, :meth:`close` this reducer and
     build another with ``previous=`` it: the new buckets take over the old ones' carried state
     (TopK residuals, gradients in ``.grad``) and the gradient order learnt.
+
+    Each backward's :class:`Phase` is the one :meth:`expect_backward` set, or, given ``schedule``,
+    what it answers when the backward's first gradient arrives (for a driver that sees no forward).
+    ``follows_forward``: steps end with the backwards the model's forward announced (the gradient
+    order is learnt, the tuner and the finite check run); ``False`` where a caller drives its own
+    steps (reproducible mode) and the model's forward leaves the reducer alone.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], threshold_mb: float,
                  summation: Summation | Reduction, check_finite: bool = False,
                  on_step_end: Callable[[float], float | None] | None = None,
-                 previous: GradientReducer | None = None):
+                 previous: GradientReducer | None = None, schedule: Callable[[], Phase] | None = None,
+                 follows_forward: bool = True):
+        self.follows_forward = follows_forward
+        self.phase = Phase.REDUCE
+        self.awaiting_backward = False  # announced by expect_backward, not ended yet
+        self._schedule = schedule or (lambda: self.phase)
         self.params = list(params)
         self.names = list(names)
         self.check_finite = check_finite
@@ -93,21 +112,14 @@ class GradientReducer:
         """The weighted average's reduction (only in that mode)."""
         return self.summation.reduction  # type: ignore[attr-defined]
 
-    @property
-    def syncing(self) -> bool:
-        """Whether the coming backward is summed over ranks (``False``: local gradients)."""
-        return self.summation.active
-
-    @syncing.setter
-    def syncing(self, value: bool) -> None:
-        self.summation.active = value
-
     # --- forward side ---------------------------------------------------------------------
 
-    def expect_backward(self, local_samples: int) -> None:
-        """Record a training forward of ``local_samples`` (the summation may start counting)."""
+    def expect_backward(self, local_samples: int, phase: Phase) -> None:
+        """Announce a backward of ``local_samples`` that does ``phase`` (the summation may start
+        counting samples across ranks for a reducing one)."""
         self.forget_interrupted_backward()
-        self.summation.expect_backward(local_samples)
+        self.phase, self.awaiting_backward = phase, True
+        self.summation.expect_backward(local_samples, phase is Phase.REDUCE)
 
     def forget_interrupted_backward(self) -> None:
         """Start afresh if the last backward raised before it ended (and the caller carried on).
@@ -121,10 +133,11 @@ class GradientReducer:
             self.reset()
 
     def reduce_without_data(self) -> None:
-        """Take part in a step with no backward here: the end of a backward in which no hook ran."""
-        self.expect_backward(0)
-        if self.syncing:
-            self._begin_backward(queue_finish=False)
+        """End the expected backward in which no hook ran (this rank had no samples, or no gradient
+        reached a parameter): it still takes part in the step's collectives, with zeros."""
+        phase = self._schedule()
+        if phase is not Phase.IDLE:
+            self._begin_backward(phase, queue_finish=False)
             self._end_backward()
 
     def reset(self) -> None:
@@ -138,18 +151,20 @@ class GradientReducer:
 
     def _restart(self, threshold_mb: float) -> None:
         self._in_backward = False
+        self._phase_now = Phase.IDLE
         self._next_launch = 0
-        self._observed_order: list[int] | None = [] if self.summation.follows_forward else None
+        self._observed_order: list[int] | None = [] if self.follows_forward else None
         self._install(self._order, threshold_mb)
 
     # --- backward side --------------------------------------------------------------------
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_gradient_ready(param: torch.Tensor) -> None:
-            if not self.summation.active:
-                return
             if not self._in_backward:
-                self._begin_backward(queue_finish=True)
+                phase = self._schedule()
+                if phase is Phase.IDLE:
+                    return
+                self._begin_backward(phase, queue_finish=True)
             if self._observed_order is not None:
                 self._observed_order.append(index)
             bucket, slot = self._slot_of[index]
@@ -161,9 +176,9 @@ class GradientReducer:
 
         return on_gradient_ready
 
-    def _begin_backward(self, queue_finish: bool) -> None:
+    def _begin_backward(self, phase: Phase, queue_finish: bool) -> None:
         profile.mark("backward")
-        self._in_backward = True
+        self._in_backward, self._phase_now = True, phase
         self.summation.begin_backward()
         self._next_launch = 0
         for bucket in self._buckets:
@@ -174,7 +189,7 @@ class GradientReducer:
     def _complete(self, bucket: Bucket) -> None:
         self.summation.complete(bucket)
         bucket.state = BucketState.COMPLETE
-        if bucket.index == self._next_launch and self.summation.launching:
+        if bucket.index == self._next_launch and self._phase_now is Phase.REDUCE:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -189,11 +204,12 @@ class GradientReducer:
     def _end_backward(self) -> None:
         """Complete and launch what is still open; at a step's end wait for every bucket; publish."""
         self._complete_open_buckets()
-        self._in_backward = False
-        if self.summation.step_ends:
+        self._in_backward = self.awaiting_backward = False
+        reduced = self._phase_now is Phase.REDUCE
+        if reduced:
             self._wait_for_buckets()
-        self.summation.end_backward(self._buckets)
-        if self.summation.follows_forward:
+        self.summation.end_backward(self._buckets, reduced)
+        if reduced and self.follows_forward:
             if self.check_finite:
                 self._raise_if_not_finite()
             self._after_step()

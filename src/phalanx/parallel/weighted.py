@@ -21,15 +21,9 @@ from phalanx.parallel.reductions import Reduction, Waitable
 class WeightedAverage:
     """Sample-weighted gradients in float buckets, summed over ranks by a :class:`Reduction`."""
 
-    #: Steps follow the model's forward and backward (the forward counts the samples).
-    follows_forward = True
-    launching = True  # every synchronised backward sends its buckets
-    step_ends = True  # and waits for them at its end
-
     def __init__(self, reduction: Reduction):
         self.reduction = reduction
         self.weights = reduction.weights()
-        self.active = True  # the coming backward is synchronised (``DataParallel`` decides)
         self.params: list[torch.nn.Parameter] = []
         self._weight = 0.0
 
@@ -43,16 +37,15 @@ class WeightedAverage:
 
     # --- forward side ---------------------------------------------------------------------
 
-    def expect_backward(self, local_samples: int) -> None:
+    def expect_backward(self, local_samples: int, reduces: bool) -> None:
         """Record a training forward of ``local_samples`` (the weights may start counting globally)."""
-        self.weights.count(local_samples, self.active)
+        self.weights.count(local_samples, reduces)
 
     def reset(self, buckets: Sequence[Bucket]) -> None:
         """Forget the step in progress; reductions' state goes back to before a step in flight."""
         for bucket in buckets:
             if bucket.state is BucketState.IN_FLIGHT:  # launched in the step that is redone
                 self.reduction.rollback(bucket.context)
-        self.active = True
         self.weights.reset()
 
     # --- buckets ----------------------------------------------------------------------------
@@ -114,7 +107,7 @@ class WeightedAverage:
         bucket.write_trailer(self.weights.local_samples())
         return self.reduction.reduce(bucket)
 
-    def end_backward(self, buckets: Sequence[Bucket]) -> None:
+    def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None:
         """After the wait: the averages in ``.grad``; this step's count weights the next one."""
         total = None
         for bucket in buckets:

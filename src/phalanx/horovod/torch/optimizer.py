@@ -84,7 +84,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             settings["predivide"], settings["wire_dtype"], self.backward_passes_per_step,
             _groups(settings["groups"], params), settings["sparse_as_dense"], [name for name, _ in named])
         self._reducer = GradientReducer(params, [name for name, _ in named], DEFAULT_FUSION_THRESHOLD_MB,
-                                        self._summation)
+                                        self._summation, schedule=self._summation.phase)
 
     def reshard(self, rank: int, world_size: int) -> None:
         """The elastic group was re-formed: hook the engine anew for the new size (``px.elastic.State``'s protocol)."""

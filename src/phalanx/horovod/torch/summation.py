@@ -19,21 +19,19 @@ import torch
 from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import timeline
+from phalanx.parallel.accumulation import Accumulation
 from phalanx.parallel.buckets import Bucket
+from phalanx.parallel.reducer import Phase
 from phalanx.parallel.reductions import Waitable, ranks_zero_order
 
 
 class HorovodAverage:
     """Gradients weighted alike on every rank, summed over a process set, after ``passes`` backwards."""
 
-    follows_forward = True  # each reducing backward ends a step: the engine learns the order after the first
-    launching = True
-    step_ends = True
-
     def __init__(self, scope: collectives.Scope | None, size: int, average: bool, predivide: float,
                  wire_dtype: torch.dtype | None, passes: int, groups: list[list[int]] | None,
                  sparse_as_dense: bool, names: Sequence[str]):
-        self.scope, self.wire_dtype, self.passes = scope, wire_dtype, passes
+        self.scope, self.wire_dtype = scope, wire_dtype
         # Average: divide by the size before the sum (fused into the copy into the bucket), or split the
         # division around it with gradient_predivide_factor as Horovod does.
         self.prescale = (1.0 / size if predivide == 1.0 else 1.0 / predivide) if average else 1.0
@@ -41,9 +39,10 @@ class HorovodAverage:
         self.groups, self.sparse_as_dense, self.names = groups, sparse_as_dense, list(names)
         self.params: list[torch.nn.Parameter] = []
         self.forced = False  # synchronize() reduces what .grad holds now
-        self.backwards = 0  # backwards seen since the last reduction
+        self.accumulation = Accumulation(passes)  # backward_passes_per_step: phalanx's one accumulation
         self.reduced = False  # a reduction ended and step() has not run yet
         self._task = -1
+        self._reducing = False  # the backward now running reduces
         self._started: list[float] = []
 
     def agree_order(self, observed: list[int]) -> list[int] | None:
@@ -54,10 +53,15 @@ class HorovodAverage:
         return ranks_zero_order(observed, len(self.params))
 
     @property
-    def active(self) -> bool:
-        """Whether the backward now running reduces: the ``passes``-th since the last reduction."""
+    def backwards(self) -> int:
+        """Backwards run since the last reduction (their gradients wait in ``.grad``)."""
+        return self.accumulation.pending
+
+    def phase(self) -> Phase:
+        """The engine's schedule, asked when a backward's first gradient arrives (the optimizer sees
+        no forward): it reduces when it is the ``passes``-th since the last reduction, or forced."""
         if self.forced:
-            return True
+            return Phase.REDUCE
         task = torch._C._current_graph_task_id()
         if task != -1 and task != self._task:
             self._task = task
@@ -67,17 +71,13 @@ class HorovodAverage:
                     "Call optimizer.step() after each reduction, or increase backward_passes_per_step to "
                     "accumulate gradients locally."
                 )
-            self.backwards += 1
-        return self.backwards >= self.passes
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self.forced = value
+            self._reducing = self.accumulation.next_backward()
+        return Phase.REDUCE if self._reducing else Phase.IDLE
 
     def bind(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
 
-    def expect_backward(self, local_samples: int) -> None:
+    def expect_backward(self, local_samples: int, reduces: bool) -> None:
         """Nothing to count: every rank weighs the same."""
 
     def layout(self, groups: list[list[int]], previous: Sequence[Bucket]) -> list[Bucket]:
@@ -134,7 +134,7 @@ class HorovodAverage:
             return collectives.then(collectives.allreduce_(compact, "sum", async_op=True),
                                     lambda _: flat.copy_(compact))
 
-    def end_backward(self, buckets: Sequence[Bucket]) -> None:
+    def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None:
         """After the wait: postscale, point ``.grad`` at the averages (``None`` where no rank had one)."""
         for bucket, started in zip(buckets, self._started):
             used, _ = bucket.read_trailer()
@@ -146,7 +146,8 @@ class HorovodAverage:
                 timeline.record("ALLREDUCE", f"gradients.bucket{bucket.index}", started,
                                 {"parameters": [self.names[i] for i in bucket.param_indices]})
         timeline.cycle()
-        self.backwards, self.reduced = 0, True
+        self.accumulation.restart()
+        self.reduced, self._reducing = True, False
 
     def stepped(self) -> None:
         """``synchronize()`` or ``step()`` ran: the next backward starts a new accumulation."""
@@ -154,7 +155,8 @@ class HorovodAverage:
 
     def reset(self, buckets: Sequence[Bucket]) -> None:
         """Forget the step in progress (an elastic group was re-formed)."""
-        self.forced, self.backwards, self.reduced, self._task = False, 0, False, -1
+        self.accumulation.restart()
+        self.forced, self.reduced, self._task, self._reducing = False, False, -1, False
 
 
 def _by_dtype(groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
