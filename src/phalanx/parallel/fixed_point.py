@@ -45,11 +45,12 @@ from typing import Sequence
 
 import torch
 
+from phalanx import profile
 from phalanx.comm import collectives, runtime
 from phalanx.comm.handles import done
 from phalanx.errors import NonFiniteGradientError
 from phalanx.parallel.buckets import Bucket, BucketState
-from phalanx.parallel.reductions import Waitable
+from phalanx.parallel.reductions import Reduction, Waitable
 
 EXACT_BITS = 53  # float64 holds every integer below 2**53
 SLACK_BITS = 16
@@ -126,6 +127,13 @@ class FixedPointBucket(Bucket):
         return self.numel
 
 
+class ExactSum(Reduction):
+    """Reproducible mode's reduction: a bucket's float64 integer sums, checks and payload, summed by
+    one allreduce, which is exact in any order (every partial sum stays below ``2**53``)."""
+
+    name = "exact"
+
+
 class FixedPointSum:
     """The exact sum as the reducer's summation: integers in float64 over a rank's micro-batches.
 
@@ -139,6 +147,7 @@ class FixedPointSum:
     """
 
     def __init__(self) -> None:
+        self.reduction = profile.wrap(ExactSum())  # timed per bucket during a doctor session
         self.params: list[torch.nn.Parameter] = []
         self.exponents = torch.zeros(0, dtype=torch.int64)
         self._buckets: list[FixedPointBucket] = []
@@ -287,7 +296,7 @@ class FixedPointSum:
             return done(None, async_op=True)
         self._write_trailer(bucket)
         self._in_flight = True
-        return collectives.allreduce_(bucket.flat, "sum", async_op=True, check=False)
+        return self.reduction.reduce(bucket)
 
     def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None:
         """After the last micro-batch's wait: did the exponents hold? (Never in a calibrating pass.)"""
