@@ -61,7 +61,7 @@ _RECORD_LEN = _SHAPE + _MAX_DIMS
 
 @dataclass(frozen=True)
 class Scope:
-    """A subgroup of the workers that collectives can be restricted to (see :func:`within`).
+    """A subgroup of the workers that collectives can be restricted to (see :meth:`within`).
 
     ``ranks`` are global ranks in ascending order; a collective's ranks, size and roots are
     positions in it. ``cpu_group`` carries CPU tensors and ``device_group`` CUDA ones.
@@ -99,6 +99,7 @@ class Collectives:
     :class:`~phalanx.errors.GenerationClosedError`).
     """
 
+    # What the operations need of their generation, provided by the Communicator.
     rank: int
     size: int
     timeout_s: float
@@ -214,13 +215,13 @@ class Collectives:
     @_when_open
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                    check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
-        """Like :func:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
+        """Like :meth:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
         return self._allreduce(tensor, op, async_op, check, algorithm, in_place=True)
 
 
     def _allreduce(self, tensor: torch.Tensor, op: str, async_op: bool, check: bool, algorithm: str,
                    in_place: bool) -> torch.Tensor | Handle[torch.Tensor]:
-        """Agree on the call, then reduce ``tensor`` itself (``in_place``) or a copy. In a :func:`within`
+        """Agree on the call, then reduce ``tensor`` itself (``in_place``) or a copy. In a :meth:`within`
         scope it is the backend's allreduce over the scope's group, whatever ``algorithm`` says."""
         scoped = _scope.get() is not None
         detail = _op_code(op) + (0 if scoped else len(REDUCE_OPS) * _code(ALLREDUCE_ALGORITHMS, algorithm))
@@ -237,7 +238,7 @@ class Collectives:
 
     def _allreduce_routed(self, data: torch.Tensor, op: str, algorithm: str, finish: Callable[[torch.Tensor], T],
                           async_op: bool, agreement: shm.Agreement | None = None) -> T | Handle[T]:
-        """The allreduce of ``data`` through whatever :func:`_route` chooses for ``algorithm``, then ``finish``
+        """The allreduce of ``data`` through whatever :meth:`_route` chooses for ``algorithm``, then ``finish``
         (``agreement``: the metadata check folded into shared memory's exchange, which the route then is)."""
         if data.is_cuda and algorithm in algorithms.ALGORITHMS:
             raise ConfigurationError(f"algorithm={algorithm!r} reduces CPU tensors; for CUDA tensors NCCL chooses its "
@@ -342,7 +343,7 @@ class Collectives:
     @_when_open
     def reduce_(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
                 check: bool = True) -> torch.Tensor | None | Handle[torch.Tensor | None]:
-        """Like :func:`reduce`, but in place: root's ``tensor`` receives the result (and is returned);
+        """Like :meth:`reduce`, but in place: root's ``tensor`` receives the result (and is returned);
         elsewhere ``tensor`` is left unspecified and ``None`` is returned. Saves a copy of the tensor."""
         return self._reduce(tensor, root, op, async_op, check, in_place=True)
 
@@ -619,7 +620,7 @@ class Collectives:
 
     @_when_open
     def link(self) -> cost.Link | None:
-        """The measured link of the CPU group, once ``algorithm="auto"`` needed it (or :func:`measure_link`)."""
+        """The measured link of the CPU group, once ``algorithm="auto"`` needed it (or :meth:`measure_link`)."""
         return self.links.get(id(self._group(None)))
 
 
@@ -726,7 +727,7 @@ class Collectives:
 
     def _agree_or_fold(self, operation: str, tensor: torch.Tensor, detail: int, problem: int, check: bool, folds: bool,
                        plan: Callable[[], wire.Reduction]) -> tuple[wire.Reduction, shm.Agreement | None]:
-        """Agree on the call (:func:`_agree`) and make its reduction ``plan``; or, where the reduction
+        """Agree on the call (:meth:`_agree`) and make its reduction ``plan``; or, where the reduction
         ``folds`` (it goes through this host's shared memory), return the check to travel with the
         data's first arrival instead of a round trip of its own. A rank whose arguments are wrong, or
         whose dtype cannot be reduced, checks alone first (one arrival too) and so raises what every
@@ -743,7 +744,7 @@ class Collectives:
 
 
     def _judge(self, rows: list[list[int]], operation: str) -> bool:
-        """A folded check's verdict on every rank's record: raise as :func:`_agree` does; False where a
+        """A folded check's verdict on every rank's record: raise as :meth:`_agree` does; False where a
         rank has joined (it sent its record alone: the data must go again, with its zeros)."""
         self._compare(rows, operation, ignore_first_dim=False)
         return all(row[_OP] != _JOIN for row in rows)
