@@ -53,6 +53,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
         "optimizer": state.optimizer.state_dict(),
         "loader": state.loader.state_dict(),
         "exact": state.exact.state_dict() if state.exact is not None else None,
+        "precision": state.precision.state_dict(),
         "rng": rng_states,
         "world_size": runtime.size(),
         **position,
@@ -93,6 +94,8 @@ def restore(state: TrainState, directory: str | Path, weights_only: bool = True)
     LoopPosition(state).load_state_dict(payload)
     if state.exact is not None and payload["exact"] is not None:
         state.exact.load_state_dict(payload["exact"])
+    if payload.get("precision") is not None:  # checkpoints before mixed precision hold none
+        state.precision.load_state_dict(payload["precision"])
     _restore_rng(payload, state)
     return path
 
@@ -112,7 +115,7 @@ def _elastic_last(path: Path, mmap: bool = False) -> tuple[Path, dict[str, Any]]
     try:
         objects = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)["state"]["objects"]
         return path, {"model": objects["model"], "optimizer": objects["optimizer"], "loader": objects["loader"],
-                      "exact": objects.get("exact"), "rng": None, "world_size": None, **objects["loop"]}
+                      "exact": objects.get("exact"), "precision": objects.get("precision"), "rng": None, "world_size": None, **objects["loop"]}
     except Exception as error:  # a damaged file: the regular checkpoints remain
         warnings.warn(f"phalanx: skipping {path}: {CheckpointError(str(error))}", stacklevel=3)
         return None

@@ -25,6 +25,7 @@ from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train.async_loop import train_async
 from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
+from phalanx.train.precision import Clipping, Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
 from phalanx.train.steps import apply_schedule, evaluate_batches, train_step
 
@@ -40,6 +41,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
         callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
         reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
+        precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
         verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None) -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
@@ -56,6 +58,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     reduces over workers once, in the last: the same step with ``1/k`` of the activation memory, so
     a global batch ``k`` times larger costs no more memory and one allreduce (``phalanx doctor``'s
     accumulation advice).
+    ``precision`` is ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast in forward and loss; for
+    float16 a gradient scaler whose overflow skips are agreed by every rank, checkpointed with the
+    run). ``clip_grad_norm``/``clip_grad_value`` clip the global (reduced) gradient before each step,
+    after unscaling; see :mod:`phalanx.train.precision`.
     ``strategy`` places parameters and optimizer state otherwise than on every worker:
     :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
     process ``fit`` serves, and returns the workers' history) or
@@ -66,6 +72,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     faults.point("fit.setup")
     micro = _micro_batch_size(reproducible, micro_batch_size)
     _check_accumulation(accumulate_steps, reproducible)
+    precision = resolve_precision(precision)
+    clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
+    _check_precision(precision, clipping, reproducible, strategy)
     _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
     _check_one_meaning(model, train_data, global_batch_size, accumulate_steps)
     _check_checkpoints(checkpoint_dir, checkpoint_every, callbacks)
@@ -79,7 +88,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     torch.manual_seed(mix_seed(seed, runtime.rank()))
     model, optimizer = strategy.setup(model, optimizer) if strategy is not None else (_wrap(model), optimizer)
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
-                       exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps)
+                       exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps,
+                       precision=Precision(precision, runtime.device()), clipping=clipping)
     hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
                                        checkpoint_every, log_dir))
     prepare = functools.partial(_prepare, state, checkpoint_dir if resume else None, verbose)
@@ -205,7 +215,7 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
     optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
     objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
                "loop": LoopPosition(state), **({"val_loader": val_loader} if val_loader is not None else {}),
-               **({"exact": state.exact} if state.exact is not None else {})}
+               "precision": state.precision, **({"exact": state.exact} if state.exact is not None else {})}
     last = None
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -238,7 +248,8 @@ def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: 
             return
         if val_loader is not None:
             faults.point("validation")
-            logs.update(evaluate_batches(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_"))
+            logs.update(evaluate_batches(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_",
+                                         state.precision))
         state.history.append(epoch, logs)
         hooks.on_epoch_end(epoch, logs, state)
         faults.point("epoch.end")
@@ -301,6 +312,20 @@ def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
         raise ConfigurationError(
             "reproducible=True already runs every step in micro-batches of micro_batch_size samples, so its memory "
             "is that of one micro-batch: drop accumulate_steps.")
+
+
+def _check_precision(precision: str, clipping: Clipping | None, reproducible: bool, strategy: Strategy | None) -> None:
+    """Refuse the pairs that cannot keep their promises, naming both."""
+    if reproducible and precision != "32":
+        raise ConfigurationError(
+            f"reproducible=True with precision={precision!r}: bitwise identical weights across worker counts are "
+            "promised in float32 only; use precision='32' for reproducible runs.")
+    if isinstance(strategy, ParameterServer) and (precision == "16-mixed" or clipping is not None):
+        what = "precision='16-mixed' (its scaled gradients)" if precision == "16-mixed" else "gradient clipping"
+        raise ConfigurationError(
+            f"px.ParameterServer with {what}: the gradients are averaged and applied on the servers, where the "
+            "workers' scaler and clipping do not reach; use px.DataParallel or px.CentralStorage, or "
+            "precision='bf16-mixed' without clipping.")
 
 
 def _check_one_meaning(model: nn.Module, train_data: Any, global_batch_size: int, accumulate_steps: int) -> None:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from phalanx.train.precision import Clipping, Precision
+
 
 class History:
     """Per-epoch logs, identical on every rank: ``history["val_accuracy"][-1]``."""
@@ -59,6 +61,8 @@ class TrainState:
     metrics: list = field(default_factory=list)
     exact: Any = None
     accumulate_steps: int = 1  # forward and backward passes per step, each over a chunk of the local batch
+    precision: Precision = field(default_factory=Precision)  # autocast, the float16 scaler, the step
+    clipping: Clipping | None = None  # of the reduced gradients, before the step
     lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
     # The step of this run's newest checkpoint, written or resumed from (None: none yet); the
     # checkpoint folder's files past it are another run's (see phalanx.train.checkpoint.save).

@@ -16,6 +16,7 @@ from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, reduce_metrics
+from phalanx.train.precision import Precision
 from phalanx.train.state import TrainState
 
 
@@ -33,7 +34,7 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable) -> None:
         state.model.reduce_without_data()
     else:
         _backward_in_chunks(state, inputs, targets, loss_fn)
-    state.optimizer.step()
+    state.precision.step(state.optimizer, state.clipping)
 
 
 def _backward_in_chunks(state: TrainState, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
@@ -50,9 +51,10 @@ def _backward_in_chunks(state: TrainState, inputs: tuple[torch.Tensor, ...], tar
     for index, (*chunk_inputs, chunk_targets) in enumerate(parts):
         share = len(chunk_targets) / len(targets)
         with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
-            outputs = state.model(*chunk_inputs)
-            loss = loss_fn(outputs, chunk_targets)
-            (loss * share if share != 1 else loss).backward()
+            with state.precision.autocast():
+                outputs = state.model(*chunk_inputs)
+                loss = loss_fn(outputs, chunk_targets)
+            state.precision.backward(loss * share if share != 1 else loss)
         with torch.no_grad():
             for metric in state.metrics:
                 metric.update(outputs.detach(), chunk_targets, loss.detach() * len(chunk_targets))
@@ -60,8 +62,9 @@ def _backward_in_chunks(state: TrainState, inputs: tuple[torch.Tensor, ...], tar
 
 @torch.no_grad()
 def evaluate_batches(model: nn.Module, loss_fn: Callable, loader: Any, metrics: list[Metric],
-                     prefix: str) -> dict[str, float]:
-    """Global ``metrics`` of ``model`` over every worker's batches of ``loader`` (names get ``prefix``)."""
+                     prefix: str, precision: Precision | None = None) -> dict[str, float]:
+    """Global ``metrics`` of ``model`` over every worker's batches of ``loader`` (names get ``prefix``),
+    forward and loss in ``precision`` (as in training)."""
     was_training = model.training
     model.eval()
     for metric in metrics:
@@ -69,9 +72,11 @@ def evaluate_batches(model: nn.Module, loss_fn: Callable, loader: Any, metrics: 
     for batch in loader:
         inputs, targets = split_batch(batch)
         if len(targets):
-            outputs = model(*inputs)
+            with precision.autocast() if precision is not None else contextlib.nullcontext():
+                outputs = model(*inputs)
+                loss = loss_fn(outputs, targets)
             for metric in metrics:
-                metric.update(outputs, targets, loss_fn(outputs, targets) * len(targets))
+                metric.update(outputs, targets, loss * len(targets))
     model.train(was_training)
     return reduce_metrics(metrics, prefix)
 
