@@ -19,20 +19,18 @@ import torch
 from phalanx import elastic
 from phalanx.strategies.client import ServerClient, Task
 from phalanx.strategies.protocol import Phase, Status
-from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, fresh_copies
 from phalanx.train.state import TrainState
-from phalanx.train.steps import apply_schedule, split_batch, train_step
+from phalanx.train.steps import split_batch, train_step
 
 
-def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
-                client: ServerClient) -> None:
+def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, client: ServerClient) -> None:
     """Train every remaining epoch on tasks dealt by parameter server 0."""
     if not state.scheduled_lrs:
         state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
     hooks.on_train_begin(state)
     for epoch in range(state.epoch, state.epochs):
-        logs = _epoch(state, hooks, loss_fn, val_loader, lr_schedule, client, epoch)
+        logs = _epoch(state, hooks, loss_fn, val_loader, client, epoch)
         state.epoch, state.step = epoch + 1, 0
         state.history.append(epoch, logs)
         hooks.on_epoch_end(epoch, logs, state)
@@ -41,8 +39,8 @@ def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: An
     hooks.on_train_end(state)
 
 
-def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
-           client: ServerClient, epoch: int) -> dict[str, float]:
+def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, client: ServerClient,
+           epoch: int) -> dict[str, float]:
     state.model.train()
     state.epoch, state.step = epoch, 0
     hooks.on_epoch_begin(epoch, state)
@@ -57,7 +55,7 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
             client.pull()
             phase_seen = task.phase
         if task.phase is Phase.TRAIN:
-            sums = _train_task(state, hooks, loss_fn, lr_schedule, epoch, task)
+            sums = _train_task(state, hooks, loss_fn, epoch, task)
             samples += state.loader.last_local_batch_size
             state.step, state.global_step = task.progress + 1, state.global_step + 1  # the epoch's progress
             hooks.on_step_end(task.step, {**_values(state.metrics, sums),
@@ -74,11 +72,10 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr
     return logs
 
 
-def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None, epoch: int,
-                task: Task) -> torch.Tensor:
+def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, epoch: int, task: Task) -> torch.Tensor:
     batch = state.loader.batch_at(epoch, task.step, task.share, task.shares)
     state.step = task.step
-    apply_schedule(state, lr_schedule)
+    state.rates.before_step(state)
     hooks.on_step_begin(task.step, state)
     for metric in state.metrics:
         metric.reset()

@@ -54,6 +54,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
         "loader": state.loader.state_dict(),
         "exact": state.exact.state_dict() if state.exact is not None else None,
         "precision": state.precision.state_dict(),
+        "lr_schedule": state.rates.state_dict(),
         "rng": rng_states,
         "world_size": runtime.size(),
         **position,
@@ -96,6 +97,8 @@ def restore(state: TrainState, directory: str | Path, weights_only: bool = True)
         state.exact.load_state_dict(payload["exact"])
     if payload.get("precision") is not None:  # checkpoints before mixed precision hold none
         state.precision.load_state_dict(payload["precision"])
+    if payload.get("lr_schedule") is not None:
+        state.rates.load_state_dict(payload["lr_schedule"])
     _restore_rng(payload, state)
     return path
 
@@ -115,7 +118,8 @@ def _elastic_last(path: Path, mmap: bool = False) -> tuple[Path, dict[str, Any]]
     try:
         objects = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)["state"]["objects"]
         return path, {"model": objects["model"], "optimizer": objects["optimizer"], "loader": objects["loader"],
-                      "exact": objects.get("exact"), "precision": objects.get("precision"), "rng": None, "world_size": None, **objects["loop"]}
+                      "exact": objects.get("exact"), "precision": objects.get("precision"),
+                      "lr_schedule": objects.get("lr_schedule"), "rng": None, "world_size": None, **objects["loop"]}
     except Exception as error:  # a damaged file: the regular checkpoints remain
         warnings.warn(f"phalanx: skipping {path}: {CheckpointError(str(error))}", stacklevel=3)
         return None

@@ -23,11 +23,11 @@ from phalanx.strategies.central_storage import CentralStorage
 from phalanx.strategies.client import ServerOptimizer
 from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train.async_loop import train_async
-from phalanx.train.lr import Schedule
+from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
 from phalanx.train.precision import Clipping, Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
-from phalanx.train.steps import apply_schedule, evaluate_batches, train_step
+from phalanx.train.steps import evaluate_batches, train_step
 
 LOG_EVERY_STEPS = 10
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], train_data: Any,
         *, epochs: int, global_batch_size: int, val_data: Any = None, metrics: Sequence[str | Metric] = (),
-        callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | None = None,
+        callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
         reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
         precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
@@ -61,7 +61,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     ``precision`` is ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast in forward and loss; for
     float16 a gradient scaler whose overflow skips are agreed by every rank, checkpointed with the
     run). ``clip_grad_norm``/``clip_grad_value`` clip the global (reduced) gradient before each step,
-    after unscaling; see :mod:`phalanx.train.precision`.
+    after unscaling; see :mod:`phalanx.train.precision`. ``lr_schedule`` is a function of the
+    fractional epoch (:mod:`phalanx.train.lr`) or a ``torch.optim.lr_scheduler`` object, stepped
+    once per optimizer step (``px.lr.Scheduled(s, interval="epoch")`` for per epoch;
+    ``ReduceLROnPlateau`` is fed ``val_loss`` each epoch); its state is checkpointed.
     ``strategy`` places parameters and optimizer state otherwise than on every worker:
     :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
     process ``fit`` serves, and returns the workers' history) or
@@ -86,17 +89,22 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     if runtime.role() == "server":
         return _serve(strategy, model, optimizer, loader, val_loader, len(resolve(metrics)))
     torch.manual_seed(mix_seed(seed, runtime.rank()))
+    rates = LearningRates(lr_schedule, optimizer, validates=val_loader is not None)
+    if rates.torch_scheduler is not None and strategy is not None and strategy.asynchronous:
+        raise ConfigurationError(
+            "asynchronous parameter servers with a torch lr scheduler: each worker applies the steps it is dealt, so "
+            "no worker sees every optimizer step; give lr_schedule a function of the epoch (px.lr.cosine(...)).")
     model, optimizer = strategy.setup(model, optimizer) if strategy is not None else (_wrap(model), optimizer)
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
                        exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps,
-                       precision=Precision(precision, runtime.device()), clipping=clipping)
-    hooks = cb.CallbackList(_callbacks(lr_schedule, callbacks, verbose, global_batch_size, checkpoint_dir,
-                                       checkpoint_every, log_dir))
+                       precision=Precision(precision, runtime.device()), clipping=clipping, rates=rates)
+    hooks = cb.CallbackList(_callbacks(callbacks, verbose, global_batch_size, checkpoint_dir, checkpoint_every,
+                                       log_dir))
     prepare = functools.partial(_prepare, state, checkpoint_dir if resume else None, verbose)
     if strategy is None:
-        _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
+        _train(state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
     else:
-        _train_with(strategy, state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
+        _train_with(strategy, state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
     return state.history
 
 
@@ -122,16 +130,16 @@ def _serve(strategy: Strategy | None, model: nn.Module, optimizer: torch.optim.O
 
 
 def _train_with(strategy: Strategy, state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any,
-                lr_schedule: Schedule | None, checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
+                checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
     """Train under ``strategy``; a worker that fails drops its connections instead of saying goodbye,
     so that parameter servers count it as lost rather than finished."""
     state.lockstep = not strategy.asynchronous
     try:
         if state.lockstep:
-            _train(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
+            _train(state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
         else:
             prepare()
-            train_async(state, hooks, loss_fn, val_loader, lr_schedule, strategy.client)
+            train_async(state, hooks, loss_fn, val_loader, strategy.client)
     except BaseException:
         strategy.close()
         raise
@@ -192,19 +200,19 @@ def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, ve
             print(line, flush=True)
 
 
-def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
-           checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
+def _train(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, checkpoint_dir: str | Path | None,
+           prepare: Callable[[], None]) -> None:
     if elastic.enabled():
-        _train_elastic(state, hooks, loss_fn, val_loader, lr_schedule, checkpoint_dir, prepare)
+        _train_elastic(state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
     else:
         prepare()
         hooks.on_train_begin(state)
-        _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, commit=lambda: None)
+        _train_epochs(state, hooks, loss_fn, val_loader, commit=lambda: None)
     faults.point("train.end")
     hooks.on_train_end(state)
 
 
-def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any,
                    checkpoint_dir: str | Path | None, prepare: Callable[[], None]) -> None:
     """The same loop, committed after every step: a lost worker costs at most the step in flight.
 
@@ -215,7 +223,7 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
     optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
     objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
                "loop": LoopPosition(state), **({"val_loader": val_loader} if val_loader is not None else {}),
-               "precision": state.precision, **({"exact": state.exact} if state.exact is not None else {})}
+               "precision": state.precision, "lr_schedule": state.rates, **({"exact": state.exact} if state.exact is not None else {})}
     last = None
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -232,7 +240,7 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
         if not begun:  # once per process: callbacks are this worker's own objects
             hooks.on_train_begin(state)
             begun = True
-        _train_epochs(state, hooks, loss_fn, val_loader, lr_schedule, carried.commit)
+        _train_epochs(state, hooks, loss_fn, val_loader, carried.commit)
         # Members leave together: one lost after its peers' last commit makes them re-form, so that
         # every survivor returns in the same group (one of them rank 0) rather than in a broken one.
         collectives.barrier()
@@ -240,10 +248,10 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
     elastic.run(train)(carried)
 
 
-def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, lr_schedule: Schedule | None,
+def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any,
                   commit: Callable[[], None]) -> None:
     for epoch in range(state.epoch, state.epochs):
-        logs = _train_epoch(state, hooks, loss_fn, lr_schedule, epoch, commit)
+        logs = _train_epoch(state, hooks, loss_fn, epoch, commit)
         if logs is None:  # stopped mid-epoch: the position stays resumable
             return
         if val_loader is not None:
@@ -251,6 +259,7 @@ def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: 
             logs.update(evaluate_batches(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_",
                                          state.precision))
         state.history.append(epoch, logs)
+        state.rates.after_epoch(state, logs)
         hooks.on_epoch_end(epoch, logs, state)
         faults.point("epoch.end")
         commit()
@@ -258,7 +267,7 @@ def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: 
             return
 
 
-def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None, epoch: int,
+def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, epoch: int,
                  commit: Callable[[], None]) -> dict[str, float] | None:
     """Run what is left of ``epoch``; its global metrics, or ``None`` when a callback stopped it midway."""
     state.model.train()
@@ -270,22 +279,22 @@ def _train_epoch(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: 
     hooks.on_epoch_begin(epoch, state)
     if state.step < state.steps_per_epoch:  # an elastic recovery can land after the last batch
         state.loader.set_epoch(epoch)
-        if not _train_steps(state, hooks, loss_fn, lr_schedule, commit):
+        if not _train_steps(state, hooks, loss_fn, commit):
             return None
     state.epoch, state.step = epoch + 1, 0
     return reduce_metrics(state.metrics)
 
 
-def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, lr_schedule: Schedule | None,
-                 commit: Callable[[], None]) -> bool:
+def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, commit: Callable[[], None]) -> bool:
     """The epoch's remaining steps; False when a callback asked to stop before its end."""
     logs: dict[str, float] = {}
     started, samples = time.perf_counter(), 0
     for batch in state.loader:
-        apply_schedule(state, lr_schedule)
+        state.rates.before_step(state)
         hooks.on_step_begin(state.step, state)
         faults.point("step.forward")
         train_step(state, batch, loss_fn)
+        state.rates.after_step(state)
         faults.point("step.end")
         state.step, state.global_step = state.step + 1, state.global_step + 1
         samples += state.loader.last_global_batch_size
@@ -398,8 +407,8 @@ def _loader(data: Any, global_batch_size: int, seed: int, shuffle: bool,
     return data
 
 
-def _callbacks(lr_schedule: Schedule | None, user: Sequence[Any], verbose: int, global_batch_size: int,
-               checkpoint_dir: str | Path | None, checkpoint_every: int | None, log_dir: str | Path | None) -> list:
+def _callbacks(user: Sequence[Any], verbose: int, global_batch_size: int, checkpoint_dir: str | Path | None,
+               checkpoint_every: int | None, log_dir: str | Path | None) -> list:
     chosen: list[Any] = list(user)
     if verbose:
         chosen.append(cb.ProgressBar(global_batch_size))

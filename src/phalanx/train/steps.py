@@ -1,4 +1,4 @@
-"""One training step, one evaluation pass, the learning-rate schedule, batches: shared by both loops.
+"""One training step, one evaluation pass, batches: shared by both loops.
 
 ``px.fit``'s loop (:mod:`phalanx.train.fit`) and the asynchronous parameter-server loop
 (:mod:`phalanx.train.async_loop`) run steps the same way; only how batches reach them differs.
@@ -14,7 +14,6 @@ from torch import nn
 
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
-from phalanx.train.lr import Schedule
 from phalanx.train.metrics import Metric, reduce_metrics
 from phalanx.train.precision import Precision
 from phalanx.train.state import TrainState
@@ -79,15 +78,6 @@ def evaluate_batches(model: nn.Module, loss_fn: Callable, loader: Any, metrics: 
                 metric.update(outputs, targets, loss * len(targets))
     model.train(was_training)
     return reduce_metrics(metrics, prefix)
-
-
-def apply_schedule(state: TrainState, lr_schedule: Schedule | None) -> None:
-    """Set every param group's learning rate for the coming step (the schedule's, or the last one set)."""
-    if lr_schedule is not None:
-        rate = lr_schedule(state.fractional_epoch)
-        state.scheduled_lrs = [rate] * len(state.optimizer.param_groups)
-    for group, rate in zip(state.optimizer.param_groups, state.scheduled_lrs):
-        group["lr"] = rate
 
 
 def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
