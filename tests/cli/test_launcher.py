@@ -198,6 +198,35 @@ CAUSE_EXITS_LAST = """\
 """
 
 
+# Rank 1, the cause, is killed with SIGKILL; rank 0's traceback about the broken connection reaches
+# the launcher first (as when a busy host delays reaping the dead one), and rank 0 takes a second to
+# tear down before it exits.
+KILLED_AFTER_ITS_PEER_NOTICED = """\
+    import os, signal, sys, time, traceback
+    noticed = os.path.join(sys.argv[1], "noticed")
+    if os.environ["PHALANX_RANK"] == "1":
+        while not os.path.exists(noticed):
+            time.sleep(0.02)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        raise ConnectionError("peer rank 1 is gone")
+    except ConnectionError:
+        traceback.print_exc()
+    sys.stderr.flush()
+    open(noticed, "w").close()
+    time.sleep(1.0)
+    sys.exit(1)
+"""
+
+
+def test_a_worker_killed_with_sigkill_is_named_as_the_cause_even_when_reaped_after_its_peer(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "killed.py", KILLED_AFTER_ITS_PEER_NOTICED)
+    result = run_phalanx("-n", "2", str(script), str(tmp_path), cwd=tmp_path)
+    assert "phalanx run: worker rank 1 (pid" in result.stderr and "failed with signal SIGKILL" in result.stderr, \
+        result.stderr
+
+
 def test_the_first_traceback_is_shown_once_and_the_others_in_one_line(tmp_path: Path) -> None:
     script = write_script(tmp_path, "cause.py", CAUSE_EXITS_LAST)
     result = run_phalanx("-n", "2", str(script), str(tmp_path), cwd=tmp_path)

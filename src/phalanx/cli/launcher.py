@@ -213,10 +213,18 @@ class Supervisor:
         Workers often fail together (the same error on every rank, or a peer's death seen from the
         other side), and the cause may exit last. One still running behind its traceback gets until
         the traceback is :data:`HOLD_S` old to exit; by then it handled the error and is not failing.
+        A process killed with SIGKILL is a cause, never a consequence: its peers' errors about the
+        broken connection can reach the launcher before it reaps the dead one (on a busy host), so
+        it comes first when it was reaped within :data:`HOLD_S` of the earliest failure. (Other
+        signals may be consequences: a process aborting on a peer's broken connection.)
         """
         while True:
-            first = min((w for w in self.failure_candidates() if w.failing_since is not None),
-                        key=lambda w: w.failing_since or 0.0)
+            failing = [w for w in self.failure_candidates() if w.failing_since is not None]
+            first = min(failing, key=lambda w: w.failing_since or 0.0)
+            killed = [w for w in failing if w.killed and
+                      (w.failing_since or 0.0) <= (first.failing_since or 0.0) + HOLD_S]
+            if killed:
+                return min(killed, key=lambda w: w.failing_since or 0.0)
             if not first.running:
                 return first
             if time.monotonic() > (first.failing_since or 0.0) + HOLD_S:

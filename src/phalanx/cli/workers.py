@@ -295,6 +295,12 @@ class Worker:
         return exit_code_of(self.process.returncode)
 
     @property
+    def killed(self) -> bool:
+        """Whether it died of SIGKILL, which nothing inside a process sends: a user, the OOM killer, or
+        the launcher when it stops everyone (which it does only after choosing the first failure)."""
+        return self.process is not None and self.exited.is_set() and self.process.returncode == -signal.SIGKILL
+
+    @property
     def failing_since(self) -> float | None:
         """When it began to fail: its traceback held back, else its exit with an error; None if it did not."""
         code = self.exit_code
