@@ -8,6 +8,7 @@ and all ranks run the same number of steps. See ``docs/data.md``.
 from __future__ import annotations
 
 from phalanx.data.loader import DistributedLoader
+from phalanx.data.torch_loaders import from_dataloader
 from phalanx.sharding import (
     epoch_permutation,
     epoch_plan,
@@ -20,6 +21,7 @@ from phalanx.sharding import (
 
 __all__ = [
     "DistributedLoader",
+    "from_dataloader",
     "epoch_permutation",
     "epoch_plan",
     "epoch_seed",

@@ -64,6 +64,12 @@ class DistributedLoader:
     ``micro_batch_size`` makes shares whole virtual micro-batches of that many samples (the
     reproducible mode's unit of work), so how a global batch is cut never depends on the world size.
 
+    ``num_workers`` loads shares in worker processes, seeded from (seed, epoch, rank, worker) each
+    epoch; with ``persistent_workers`` they are started once and seeded once (from the epoch they
+    started in), their random streams continuing from epoch to epoch as in torch. ``pin_memory``
+    pins batches in page-locked memory when a GPU is there to copy them to; ``worker_init_fn`` runs
+    in each worker after its seeding. :func:`phalanx.data.from_dataloader` adopts a torch DataLoader.
+
     ``rank``/``world_size`` default to the phalanx runtime's, or 0/1 when it is not running.
     Only one iteration of a loader may be active at a time: starting a new one stops the old.
 
@@ -89,6 +95,9 @@ class DistributedLoader:
         shuffle_buffer: int | None = None,
         micro_batch_size: int | None = None,
         check_same_data: bool = True,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ):
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         self.granularity = _granularity(micro_batch_size, global_batch_size, self.world_size)
@@ -104,7 +113,11 @@ class DistributedLoader:
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.shuffle_buffer = _shuffle_buffer_size(shuffle_buffer, self.global_batch_size)
         self._data = _wrap_dataset(dataset, collate_fn)
-        _check_workers(self._data, self.num_workers)
+        _check_workers(self._data, self.num_workers, persistent_workers)
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()  # pinning needs a GPU to copy to
+        self.persistent_workers = bool(persistent_workers)
+        self._workers: tuple[DataLoader, _Batches] | None = None  # kept across epochs when persistent
+        self.worker_init_fn = worker_init_fn
         self.last_global_batch_size = 0
         self.last_local_batch_size = 0
         self._epoch = 0
@@ -277,7 +290,8 @@ class DistributedLoader:
         for k, global_batch in enumerate(plan):
             share = local_share(global_batch, self.world_size, self.rank, self.granularity)
             batch = self._data.fetch(share) if len(share) else self._data.empty(int(global_batch[0]))
-            yield _Step(batch, len(global_batch), len(share), k == len(plan) - 1)
+            yield _Step(_pinned(batch) if self.pin_memory else batch, len(global_batch), len(share),
+                        k == len(plan) - 1)
 
     def _worker_steps(self, plan: list[torch.Tensor], epoch: int) -> Iterator[_Step]:
         """Fetch each non-empty share in DataLoader worker processes, in order."""
@@ -288,17 +302,29 @@ class DistributedLoader:
             yield _Step(batch, len(global_batch), len(share), k == len(plan) - 1)
 
     def _worker_loader(self, shares: list[torch.Tensor], epoch: int) -> DataLoader:
-        """A DataLoader over this rank's index batches, seeded from (seed, epoch, rank, worker)."""
+        """A DataLoader over this rank's index batches, seeded from (seed, epoch, rank, worker); with
+        persistent workers, the one made in the first epoch, given this epoch's index batches."""
+        batches = shares if isinstance(self._data, TensorData) else [share.tolist() for share in shares]
+        if self._workers is not None:
+            loader, current = self._workers
+            current.batches = batches
+            return loader
+        current = _Batches(batches)
         common = dict(
             num_workers=self.num_workers,
             prefetch_factor=max(self.prefetch, 1),
-            worker_init_fn=_WorkerSeeder(self.seed, epoch, self.rank),
+            worker_init_fn=_WorkerSeeder(self.seed, epoch, self.rank, self.worker_init_fn),
             generator=torch.Generator().manual_seed(mix_seed(self.seed, epoch, self.rank)),
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
         )
         if isinstance(self._data, TensorData):
-            return DataLoader(self._data, sampler=shares, batch_size=None, collate_fn=identity, **common)
-        batch_lists = [share.tolist() for share in shares]
-        return DataLoader(self._data.dataset, batch_sampler=batch_lists, collate_fn=self.collate_fn, **common)
+            loader = DataLoader(self._data, sampler=current, batch_size=None, collate_fn=identity, **common)
+        else:
+            loader = DataLoader(self._data.dataset, batch_sampler=current, collate_fn=self.collate_fn, **common)
+        if self.persistent_workers:
+            self._workers = (loader, current)
+        return loader
 
     def _stream_steps(self, epoch: int, skip: int) -> Iterator[_Step]:
         """Read the whole stream, cut it into global batches and take this rank's share of each."""
@@ -375,13 +401,16 @@ def _read_position(state: dict[str, Any]) -> tuple[int, int, int]:
 
 
 class _WorkerSeeder:
-    """``worker_init_fn`` seeding torch, ``random`` and NumPy from (seed, epoch, rank, worker id)."""
+    """``worker_init_fn`` seeding torch, ``random`` and NumPy from (seed, epoch, rank, worker id),
+    then running the user's own ``worker_init_fn``, if any."""
 
-    def __init__(self, seed: int, epoch: int, rank: int):
-        self.seed, self.epoch, self.rank = seed, epoch, rank
+    def __init__(self, seed: int, epoch: int, rank: int, then: Callable[[int], None] | None = None):
+        self.seed, self.epoch, self.rank, self.then = seed, epoch, rank, then
 
     def __call__(self, worker_id: int) -> None:
         rng.seed_all(mix_seed(self.seed, self.epoch, self.rank, worker_id))
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -450,8 +479,35 @@ def _granularity(micro_batch_size: int | None, global_batch_size: int, world_siz
     return micro_batch_size
 
 
-def _check_workers(data: TensorData | MapData | None, num_workers: int) -> None:
+class _Batches:
+    """The index batches of the current epoch, which a persistent DataLoader's workers are handed."""
+
+    def __init__(self, batches: list[Any]):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _pinned(batch: Any) -> Any:
+    """``batch`` with every tensor in page-locked memory (the copy to the GPU can then overlap)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_pinned(part) for part in batch)
+    if isinstance(batch, dict):
+        return {key: _pinned(value) for key, value in batch.items()}
+    return batch
+
+
+def _check_workers(data: TensorData | MapData | None, num_workers: int, persistent: bool = False) -> None:
     """Worker processes are for map-style data: each would read a whole stream again."""
+    if persistent and num_workers == 0:
+        raise ConfigurationError("persistent_workers=True keeps worker processes between epochs, so it needs "
+                                 "num_workers > 0.")
     if data is None and num_workers > 0:
         raise ConfigurationError(
             f"num_workers={num_workers} is not supported for an IterableDataset (every rank already reads "

@@ -13,7 +13,7 @@ from torch import nn
 
 from phalanx import elastic, faults, tune
 from phalanx.comm import collectives, runtime
-from phalanx.data import DistributedLoader
+from phalanx.data import DistributedLoader, from_dataloader
 from phalanx.sharding import mix_seed
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
@@ -49,7 +49,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     takes its sample-level share, and the result does not depend on the number of workers.
     ``loss_fn(outputs, targets)`` must return the mean over its samples. ``train_data`` is a
     dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
-    targets)``. With ``checkpoint_dir`` a checkpoint is written every epoch (and every
+    targets)``; a ``torch.utils.data.DataLoader`` keeps its dataset and loading settings and gets
+    phalanx's distributed sampler (:mod:`phalanx.data.torch_loaders`). With ``checkpoint_dir`` a checkpoint is written every epoch (and every
     ``checkpoint_every`` steps), and ``resume=True`` continues from the newest readable one (rank 0
     says which, and when training was already complete).
     ``reproducible=True`` with ``micro_batch_size=m`` makes the trained weights bitwise identical
@@ -397,6 +398,8 @@ def _micro_batch_size(reproducible: bool, micro_batch_size: int | None) -> int |
 
 def _loader(data: Any, global_batch_size: int, seed: int, shuffle: bool,
             micro_batch_size: int | None = None) -> DistributedLoader:
+    if isinstance(data, torch.utils.data.DataLoader):  # its settings kept, its sampler replaced
+        return from_dataloader(data, global_batch_size, seed=seed, micro_batch_size=micro_batch_size)
     if not isinstance(data, DistributedLoader):
         return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed, micro_batch_size=micro_batch_size)
     if micro_batch_size is not None and data.granularity != micro_batch_size:
