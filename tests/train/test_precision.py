@@ -167,3 +167,4 @@ def _step_with_gradients_finite_on_rank_0_only() -> tuple[bool, float, bool]:
 def test_ranks_agree_to_skip_a_step_that_overflowed_on_one_of_them() -> None:
     results = run_workers(_step_with_gradients_finite_on_rank_0_only, 2)
     assert results == [(False, 32768.0, True)] * 2
+

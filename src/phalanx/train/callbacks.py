@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from phalanx.comm import runtime
 from phalanx.tune import trial
 from phalanx.errors import ConfigurationError
@@ -48,14 +50,23 @@ class CallbackList:
 
 
 class EarlyStopping(Callback):
-    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
 
-    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto"):
+    ``restore_best=True`` keeps a copy of the weights of the best epoch (in host memory) and loads
+    it into the model when training ends, stopped early or not; every rank sees the same global
+    logs, so every rank restores the same epoch's weights.
+    """
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto",
+                 restore_best: bool = False):
         self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
         self.mode = ("max" if "acc" in monitor else "min") if mode == "auto" else mode
         self.best = math.inf if self.mode == "min" else -math.inf
         self.waited = 0
         self.stopped_epoch: int | None = None
+        self.restore_best = restore_best
+        self.best_epoch: int | None = None
+        self._best_weights: dict[str, torch.Tensor] | None = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
         if self.monitor not in logs:
@@ -63,12 +74,18 @@ class EarlyStopping(Callback):
         value = logs[self.monitor]
         improved = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
         if improved:
-            self.best, self.waited = value, 0
+            self.best, self.waited, self.best_epoch = value, 0, epoch
+            if self.restore_best:
+                self._best_weights = {k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()}
             return
         self.waited += 1
         if self.waited >= self.patience:
             state.stop_training = True
             self.stopped_epoch = epoch
+
+    def on_train_end(self, state: TrainState) -> None:
+        if self.restore_best and self._best_weights is not None:
+            state.model.load_state_dict(self._best_weights)
 
 
 class LRWarmup(Callback):
