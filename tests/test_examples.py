@@ -26,6 +26,14 @@ def test_custom_loop_trains_on_two_workers(tmp_path: Path) -> None:
     assert accuracy(done.stdout) > 90, done.stdout
 
 
+def test_the_open_loop_example_reaches_its_accuracy_on_two_workers(tmp_path: Path) -> None:
+    """A DataLoader, two optimizers, bf16, clipping, OneCycleLR and a step of its own, together."""
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(EXAMPLES / "open_loop.py")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert accuracy(done.stdout) >= 95, done.stdout
+
+
 def test_the_quickstart_learns_digits_as_a_plain_python_script(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)  # on 2 workers: the same figure (make demo runs 2)

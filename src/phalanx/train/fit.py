@@ -25,6 +25,7 @@ from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train.async_loop import train_async
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
+from phalanx.train.optimizers import OptimizerGroup
 from phalanx.train.precision import Clipping, Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
 from phalanx.train.steps import evaluate_batches, train_step
@@ -36,18 +37,23 @@ Strategy = ParameterServer | CentralStorage
 logger = logging.getLogger(__name__)
 
 
-def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], train_data: Any,
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None, train_data: Any,
         *, epochs: int, global_batch_size: int, val_data: Any = None, metrics: Sequence[str | Metric] = (),
         callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
         reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
         precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
+        step_fn: Callable[..., torch.Tensor | tuple[torch.Tensor, Any]] | None = None,
         verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None) -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
     ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
     takes its sample-level share, and the result does not depend on the number of workers.
-    ``loss_fn(outputs, targets)`` must return the mean over its samples. ``train_data`` is a
+    ``loss_fn(outputs, targets)`` must return the mean over its samples; or, for batches of another
+    shape, a model that computes its own loss or an extra term, ``step_fn(model, batch)`` returns the
+    batch's mean loss (or ``(loss, outputs)`` for metrics beyond the loss) in place of
+    ``loss_fn`` (pass ``None``): phalanx still runs precision, accumulation, reduction, clipping
+    and the step around it, in training and validation. ``train_data`` is a
     dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
     targets)``; a ``torch.utils.data.DataLoader`` keeps its dataset and loading settings and gets
     phalanx's distributed sampler (:mod:`phalanx.data.torch_loaders`). With ``checkpoint_dir`` a checkpoint is written every epoch (and every
@@ -66,6 +72,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     fractional epoch (:mod:`phalanx.train.lr`) or a ``torch.optim.lr_scheduler`` object, stepped
     once per optimizer step (``px.lr.Scheduled(s, interval="epoch")`` for per epoch;
     ``ReduceLROnPlateau`` is fed ``val_loss`` each epoch); its state is checkpointed.
+    ``optimizer`` may be a list, one optimizer per part of the model (:mod:`phalanx.train.optimizers`).
     ``strategy`` places parameters and optimizer state otherwise than on every worker:
     :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
     process ``fit`` serves, and returns the workers' history) or
@@ -79,6 +86,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     precision = resolve_precision(precision)
     clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
     _check_precision(precision, clipping, reproducible, strategy)
+    _check_step(loss_fn, step_fn, reproducible)
+    if isinstance(optimizer, (list, tuple)) and strategy is not None:
+        raise ConfigurationError("a list of optimizers with strategy=: the strategies hold one optimizer's state; use "
+                                 "one optimizer with parameter groups, or px.DataParallel.")
     _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
     _check_one_meaning(model, train_data, global_batch_size, accumulate_steps)
     _check_checkpoints(checkpoint_dir, checkpoint_every, callbacks)
@@ -90,6 +101,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     if runtime.role() == "server":
         return _serve(strategy, model, optimizer, loader, val_loader, len(resolve(metrics)))
     torch.manual_seed(mix_seed(seed, runtime.rank()))
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = OptimizerGroup(optimizer)
     rates = LearningRates(lr_schedule, optimizer, validates=val_loader is not None)
     if rates.torch_scheduler is not None and strategy is not None and strategy.asynchronous:
         raise ConfigurationError(
@@ -98,7 +111,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..
     model, optimizer = strategy.setup(model, optimizer) if strategy is not None else (_wrap(model), optimizer)
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
                        exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps,
-                       precision=Precision(precision, runtime.device()), clipping=clipping, rates=rates)
+                       precision=Precision(precision, runtime.device()), clipping=clipping, rates=rates,
+                       step_fn=step_fn)
     hooks = cb.CallbackList(_callbacks(callbacks, verbose, global_batch_size, checkpoint_dir, checkpoint_every,
                                        log_dir))
     prepare = functools.partial(_prepare, state, checkpoint_dir if resume else None, verbose)
@@ -258,7 +272,7 @@ def _train_epochs(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: 
         if val_loader is not None:
             faults.point("validation")
             logs.update(evaluate_batches(state.model, loss_fn, val_loader, fresh_copies(state.metrics), "val_",
-                                         state.precision))
+                                         state.precision, state.step_fn))
         state.history.append(epoch, logs)
         state.rates.after_epoch(state, logs)
         hooks.on_epoch_end(epoch, logs, state)
@@ -322,6 +336,16 @@ def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
         raise ConfigurationError(
             "reproducible=True already runs every step in micro-batches of micro_batch_size samples, so its memory "
             "is that of one micro-batch: drop accumulate_steps.")
+
+
+def _check_step(loss_fn: Callable | None, step_fn: Callable | None, reproducible: bool) -> None:
+    if (loss_fn is None) == (step_fn is None):
+        raise ConfigurationError(
+            "px.fit computes each batch's loss with loss_fn(model(*inputs), targets) or with your step_fn(model, "
+            "batch): give exactly one (loss_fn=None with step_fn=).")
+    if step_fn is not None and reproducible:
+        raise ConfigurationError("reproducible=True with step_fn: reproducible mode runs the model on its own "
+                                 "micro-batches through loss_fn; use loss_fn, or reproducible=False.")
 
 
 def _check_precision(precision: str, clipping: Clipping | None, reproducible: bool, strategy: Strategy | None) -> None:

@@ -102,7 +102,8 @@ class LearningRates:
                 f"lr_schedule must be a function of the fractional epoch (px.lr.cosine(...)), a "
                 f"torch.optim.lr_scheduler object or px.lr.Scheduled(...), got {type(schedule).__name__}.")
         if isinstance(schedule, Scheduled):
-            if getattr(schedule.scheduler, "optimizer", optimizer) is not optimizer:
+            owner = getattr(schedule.scheduler, "optimizer", optimizer)
+            if owner is not optimizer and not (hasattr(optimizer, "holds") and optimizer.holds(owner)):
                 raise ConfigurationError("the lr_schedule's scheduler was built around another optimizer than the one "
                                          "px.fit was given: build it around that optimizer.")
             schedule.monitor = schedule.monitor or ("val_loss" if validates else "loss")

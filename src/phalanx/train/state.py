@@ -64,6 +64,7 @@ class TrainState:
     accumulate_steps: int = 1  # forward and backward passes per step, each over a chunk of the local batch
     precision: Precision = field(default_factory=Precision)  # autocast, the float16 scaler, the step
     clipping: Clipping | None = None  # of the reduced gradients, before the step
+    step_fn: Any = None  # the user's step_fn(model, batch) -> loss | (loss, outputs), else loss_fn's
     rates: LearningRates = field(default_factory=lambda: LearningRates(None, None, False))  # lr_schedule
     lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
     # The step of this run's newest checkpoint, written or resumed from (None: none yet); the

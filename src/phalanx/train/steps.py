@@ -19,63 +19,124 @@ from phalanx.train.precision import Precision
 from phalanx.train.state import TrainState
 
 
-def train_step(state: TrainState, batch: Any, loss_fn: Callable) -> None:
-    """One optimizer step on this worker's ``batch``; the state's metrics count its samples."""
-    inputs, targets = split_batch(batch)
-    metrics = state.metrics
+def train_step(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
+    """One optimizer step on this worker's ``batch``; the state's metrics count its samples.
+
+    The loss of a batch (or chunk) is ``loss_fn(model(*inputs), targets)``, or the user's own
+    ``state.step_fn(model, batch)``; either way phalanx runs it under the precision's autocast,
+    accumulates chunks, reduces, clips and steps around it.
+    """
     state.optimizer.zero_grad(set_to_none=True)
     if state.exact is not None:
+        inputs, targets = split_batch(batch)
         for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
                                                                  state.loader.last_global_batch_size):
-            for metric in metrics:
+            for metric in state.metrics:
                 metric.update(outputs, micro_targets, loss * len(micro_targets))
-    elif len(targets) == 0:
-        state.model.reduce_without_data()
     else:
-        _backward_in_chunks(state, inputs, targets, loss_fn)
+        batch = to_device(batch)
+        if samples_in(batch) == 0:
+            state.model.reduce_without_data()
+        else:
+            _backward_in_chunks(state, batch, loss_fn)
     state.precision.step(state.optimizer, state.clipping)
 
 
-def _backward_in_chunks(state: TrainState, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
-                        loss_fn: Callable) -> None:
-    """Forward and backward ``targets``' samples in ``state.accumulate_steps`` chunks, reducing over
+def _backward_in_chunks(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
+    """Forward and backward the batch's samples in ``state.accumulate_steps`` chunks, reducing over
     ranks only in the last: the gradient of the whole batch's mean loss, with one chunk's memory."""
-    chunks = min(state.accumulate_steps, len(targets))
-    if chunks > 1 and not all(isinstance(part, torch.Tensor) and len(part) == len(targets) for part in inputs):
-        raise ConfigurationError(
-            f"accumulate_steps={state.accumulate_steps} splits every input of a batch along its first dimension, "
-            "like the targets: give batches of tensors with one row per sample, or accumulate_steps=1.")
-    whole = (*inputs, targets)
-    parts = zip(*(torch.tensor_split(part, chunks) for part in whole)) if chunks > 1 else [whole]
-    for index, (*chunk_inputs, chunk_targets) in enumerate(parts):
-        share = len(chunk_targets) / len(targets)
+    samples = samples_in(batch)
+    chunks = min(state.accumulate_steps, samples)
+    parts = split_samples(batch, chunks, state.accumulate_steps) if chunks > 1 else [batch]
+    for index, part in enumerate(parts):
+        share = samples_in(part) / samples
         with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
             with state.precision.autocast():
-                outputs = state.model(*chunk_inputs)
-                loss = loss_fn(outputs, chunk_targets)
+                loss, outputs, targets = batch_loss(state.model, part, loss_fn, state.step_fn, state.metrics)
             state.precision.backward(loss * share if share != 1 else loss)
         with torch.no_grad():
             for metric in state.metrics:
-                metric.update(outputs.detach(), chunk_targets, loss.detach() * len(chunk_targets))
+                metric.update(outputs, targets, loss.detach() * samples_in(part))
+
+
+def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: Callable | None,
+               metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
+    """``(loss, outputs, targets)`` of one batch on this device: the user's ``step_fn(model, batch)``,
+    or ``loss_fn(model(*inputs), targets)``."""
+    if step_fn is None:
+        assert loss_fn is not None
+        inputs, targets = split_batch(batch)
+        outputs = model(*inputs)
+        return loss_fn(outputs, targets), _detached(outputs), targets
+    batch = to_device(batch)
+    result = step_fn(model, batch)
+    loss, outputs = result if isinstance(result, tuple) else (result, None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ConfigurationError(
+            f"step_fn must return the batch's mean loss as a scalar tensor, or (loss, outputs); got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else f' of shape {list(loss.shape)}'}.")
+    targets = batch[-1] if isinstance(batch, (tuple, list)) and isinstance(batch[-1], torch.Tensor) \
+        else torch.empty(samples_in(batch))
+    if outputs is None and any(metric.name != "loss" for metric in metrics):
+        raise ConfigurationError(
+            f"metrics {[m.name for m in metrics if m.name != 'loss']} need the model's outputs: let step_fn "
+            "return (loss, outputs), with the targets last in the batch.")
+    return loss, _detached(outputs), targets
+
+
+def _detached(outputs: Any) -> Any:
+    return outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
+
+
+def samples_in(batch: Any) -> int:
+    """The samples in ``batch``: dim 0 of its first tensor (in tuples, lists and dicts); 0 without one."""
+    first = _first_tensor(batch)
+    if first is None:
+        return 0
+    return int(first.shape[0]) if first.dim() else 1
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((found for found in map(_first_tensor, parts) if found is not None), None)
+
+
+def split_samples(batch: Any, chunks: int, accumulate_steps: int) -> list[Any]:
+    """``batch`` cut into ``chunks`` parts along its samples (every tensor's first dimension)."""
+    samples = samples_in(batch)
+
+    def cut(part: Any) -> list[Any]:
+        if isinstance(part, torch.Tensor) and part.dim() and part.shape[0] == samples:
+            return list(torch.tensor_split(part, chunks))
+        if isinstance(part, (tuple, list)):
+            return [type(part)(pieces) for pieces in zip(*(cut(p) for p in part))]
+        if isinstance(part, dict):
+            split = {key: cut(value) for key, value in part.items()}
+            return [{key: pieces[k] for key, pieces in split.items()} for k in range(chunks)]
+        raise ConfigurationError(
+            f"accumulate_steps={accumulate_steps} splits every part of a batch along its first dimension: give "
+            "batches of tensors (in tuples, lists or dicts) with one row per sample, or accumulate_steps=1.")
+    return cut(batch)
 
 
 @torch.no_grad()
-def evaluate_batches(model: nn.Module, loss_fn: Callable, loader: Any, metrics: list[Metric],
-                     prefix: str, precision: Precision | None = None) -> dict[str, float]:
+def evaluate_batches(model: nn.Module, loss_fn: Callable | None, loader: Any, metrics: list[Metric],
+                     prefix: str, precision: Precision | None = None,
+                     step_fn: Callable | None = None) -> dict[str, float]:
     """Global ``metrics`` of ``model`` over every worker's batches of ``loader`` (names get ``prefix``),
-    forward and loss in ``precision`` (as in training)."""
+    forward and loss in ``precision`` (as in training), computed as in training (``step_fn``)."""
     was_training = model.training
     model.eval()
     for metric in metrics:
         metric.reset()
     for batch in loader:
-        inputs, targets = split_batch(batch)
-        if len(targets):
+        if samples_in(batch):
             with precision.autocast() if precision is not None else contextlib.nullcontext():
-                outputs = model(*inputs)
-                loss = loss_fn(outputs, targets)
+                loss, outputs, targets = batch_loss(model, batch, loss_fn, step_fn, metrics)
             for metric in metrics:
-                metric.update(outputs, targets, loss * len(targets))
+                metric.update(outputs, targets, loss * samples_in(batch))
     model.train(was_training)
     return reduce_metrics(metrics, prefix)
 
@@ -84,8 +145,19 @@ def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``(inputs..., targets)`` moved to this worker's device."""
     if not isinstance(batch, (tuple, list)) or len(batch) < 2:
         raise ConfigurationError(
-            "px.fit expects batches of (inputs..., targets); give a dataset whose items are (x, y) pairs."
+            "px.fit expects batches of (inputs..., targets); give a dataset whose items are (x, y) pairs, "
+            "or a step_fn(model, batch) that computes the loss of batches of another shape."
         )
-    device = runtime.device()
-    moved = [part.to(device, non_blocking=True) if isinstance(part, torch.Tensor) else part for part in batch]
+    moved = to_device(batch)
     return tuple(moved[:-1]), moved[-1]
+
+
+def to_device(batch: Any) -> Any:
+    """``batch`` with every tensor on this worker's device (copied asynchronously from pinned memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(runtime.device(), non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(part) for part in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value) for key, value in batch.items()}
+    return batch

@@ -1,0 +1,78 @@
+"""Your own step and several optimizers in px.fit, against hand-written torch loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.data import epoch_plan
+from tests.harness import run_workers
+from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, SAMPLES, _dataset, _model
+
+PENALTY = 1e-2
+
+
+def _optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """SGD with momentum for the first layer, Adam for the last: one optimizer per part."""
+    return [torch.optim.SGD(model[0].parameters(), lr=0.2, momentum=0.9), torch.optim.Adam(model[2].parameters(), lr=0.01)]
+
+
+def _step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean cross-entropy plus a penalty on the last layer's weights; the outputs for accuracy."""
+    inputs, targets = batch
+    outputs = model(inputs)
+    last = model.module[2] if isinstance(model, px.DataParallel) else model[2]
+    return F.cross_entropy(outputs, targets) + PENALTY * last.weight.square().sum(), outputs
+
+
+def _fit(options: dict) -> dict:
+    model = _model()
+    history = px.fit(model, _optimizers(model), None, _dataset(), step_fn=_step, epochs=EPOCHS,
+                     global_batch_size=GLOBAL_BATCH, val_data=_dataset(), metrics=["accuracy"], verbose=0, **options)
+    return {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "history": history.history}
+
+
+def _reference() -> dict:
+    model, (x, y) = _model(), _dataset()
+    optimizers = _optimizers(model)
+    for epoch in range(EPOCHS):
+        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            _step(model, (x[indices], y[indices]))[0].backward()
+            for optimizer in optimizers:
+                optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("world_size, options", [(1, {}), (2, {}), (2, {"accumulate_steps": 2})])
+def test_a_step_of_your_own_with_two_optimizers_trains_as_the_serial_loop(world_size: int, options: dict) -> None:
+    results = run_workers(_fit, world_size, options, timeout=150)
+    reference = _reference()
+    for result in results:
+        for name, value in reference.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+        assert result["history"] == results[0]["history"]
+    history = results[0]["history"]
+    assert set(history) == {"loss", "accuracy", "val_loss", "val_accuracy"} and history["val_accuracy"][-1] > 0.6
+
+
+def test_what_a_step_cannot_be_is_refused() -> None:
+    px.init()
+    model = _model()
+    data = _dataset()
+    common = dict(epochs=1, global_batch_size=GLOBAL_BATCH, verbose=0)
+    cases = (
+        (dict(loss_fn=F.cross_entropy, step_fn=_step), "give exactly one"),
+        (dict(loss_fn=None), "give exactly one"),
+        (dict(loss_fn=None, step_fn=lambda m, b: m(b[0])), r"scalar tensor, or \(loss, outputs\); got Tensor of shape"),
+        (dict(loss_fn=None, step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), metrics=["accuracy"]),
+         r"metrics \['accuracy'\] need the model's outputs"),
+        (dict(loss_fn=F.cross_entropy, strategy=px.CentralStorage()), "a list of optimizers with strategy="),
+    )
+    for options, message in cases:
+        loss_fn = options.pop("loss_fn")
+        with pytest.raises(px.ConfigurationError, match=message):
+            px.fit(model, _optimizers(model), loss_fn, data, **common, **options)
