@@ -17,6 +17,7 @@ global norm and every rank clips alike; with a float16 scaler, after unscaling.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 
@@ -24,6 +25,8 @@ import torch
 
 from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 _ALIASES = {"32-true": "32", "bf16": "bf16-mixed", "16": "16-mixed", 32: "32", 16: "16-mixed"}
@@ -45,6 +48,9 @@ class Precision:
         self.device = torch.device(device)
         self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.name)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.name == "16-mixed" else None
+        if self.name == "16-mixed" and self.device.type == "cpu":
+            logger.warning("phalanx: precision='16-mixed' on the CPU computes float16 in software: 28x slower than "
+                           "float32 on benchmarks/bench_precision.py's MLP here. Use precision='bf16-mixed' on CPUs.")
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """The context forward and loss run in (nothing at ``"32"``)."""
