@@ -70,7 +70,7 @@ def test_what_a_step_cannot_be_is_refused() -> None:
         (dict(loss_fn=None, step_fn=lambda m, b: m(b[0])), r"scalar tensor, or \(loss, outputs\); got Tensor of shape"),
         (dict(loss_fn=None, step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), metrics=["accuracy"]),
          r"metrics \['accuracy'\] need the model's outputs"),
-        (dict(loss_fn=F.cross_entropy, strategy=px.CentralStorage()), "a list of optimizers with strategy="),
+        (dict(loss_fn=F.cross_entropy, strategy=px.CentralStorage()), "px.CentralStorage with a list of optimizers"),
     )
     for options, message in cases:
         loss_fn = options.pop("loss_fn")

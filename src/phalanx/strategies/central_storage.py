@@ -22,6 +22,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction, Waitable
+from phalanx.strategies.base import FitOptions, refuse, refuse_parameter_servers_launched
 from phalanx.strategies.held import HeldOptimizer
 
 
@@ -110,6 +111,22 @@ class CentralStorage:
     """
 
     asynchronous = False
+
+    def check(self, options: FitOptions) -> None:
+        """Refuse what keeping the optimizer state on one rank cannot do, naming the pair."""
+        refuse_parameter_servers_launched("px.CentralStorage")
+        if options.elastic:
+            refuse("px.CentralStorage", "an elastic job", "the optimizer state lives on one rank, which an elastic "
+                   "job could lose; use px.DataParallel or px.ParameterServer with --min-workers.")
+        if options.reproducible:
+            refuse("px.CentralStorage", "reproducible=True", "reproducible mode trains with px.DataParallel only; "
+                   "drop strategy= or reproducible=.")
+        if options.several_optimizers:
+            refuse("px.CentralStorage", "a list of optimizers", "it holds one optimizer's state; use one optimizer "
+                   "with parameter groups.")
+        if self.rank != 0 and options.checkpoint_dir is not None:
+            refuse(f"px.CentralStorage(rank={self.rank})", "checkpoint_dir", "checkpoints are written by rank 0, "
+                   "so use CentralStorage(rank=0).")
 
     def __init__(self, rank: int = 0, shared_memory: bool | str = "auto"):
         if rank < 0:

@@ -18,6 +18,7 @@ from torch import nn
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
+from phalanx.strategies.base import FitOptions, refuse
 from phalanx.strategies.client import PushToServers, ServerClient, ServerOptimizer
 from phalanx.strategies.dealer import Dealer
 from phalanx.strategies.placement import groups, place
@@ -51,6 +52,29 @@ class ParameterServer:
         return self.mode == "async"
 
     # --- worker side ------------------------------------------------------------------------
+
+    def check(self, options: FitOptions) -> None:
+        """Refuse what the servers cannot do, naming the pair: they average and apply the gradients,
+        where the workers' scaler and clipping do not reach."""
+        name = f"px.ParameterServer(mode={self.mode!r})"
+        why = ("the gradients are averaged and applied on the servers, where the workers' scaler and clipping do "
+               "not reach; use px.DataParallel or px.CentralStorage, or precision='bf16-mixed' without clipping.")
+        if options.precision == "16-mixed":
+            refuse(name, "precision='16-mixed' (its scaled gradients)", why)
+        if options.clipping:
+            refuse(name, "gradient clipping", why)
+        if options.reproducible:
+            refuse(name, "reproducible=True", "reproducible mode trains with px.DataParallel only; drop strategy= or "
+                   "reproducible=.")
+        if options.several_optimizers:
+            refuse(name, "a list of optimizers", "the servers hold one optimizer's state; use one optimizer with "
+                   "parameter groups.")
+        if self.asynchronous and options.checkpoint_every is not None:
+            refuse(name, "checkpoint_every", "asynchronous parameter servers checkpoint at epoch ends (mid-epoch, "
+                   "the dealt batches are not a position); drop checkpoint_every.")
+        if self.asynchronous and options.torch_scheduler:
+            refuse(name, "a torch lr scheduler", "each worker applies the steps it is dealt, so no worker sees every "
+                   "optimizer step; give lr_schedule a function of the epoch (px.lr.cosine(...)).")
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ServerOptimizer]:
         """Connect to the servers, hand them the initial parameters, and wrap model and optimizer."""

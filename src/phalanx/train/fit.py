@@ -19,7 +19,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.exact import ExactGradients
 from phalanx.train import callbacks as cb, checkpoint
-from phalanx.strategies.central_storage import CentralStorage
+from phalanx.strategies.base import FitOptions, Replicated, Strategy
 from phalanx.strategies.client import ServerOptimizer
 from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train.async_loop import train_async
@@ -32,7 +32,6 @@ from phalanx.train.steps import evaluate_batches, train_step
 
 LOG_EVERY_STEPS = 10
 
-Strategy = ParameterServer | CentralStorage
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     once per optimizer step (``px.lr.Scheduled(s, interval="epoch")`` for per epoch;
     ``ReduceLROnPlateau`` is fed ``val_loss`` each epoch); its state is checkpointed.
     ``optimizer`` may be a list, one optimizer per part of the model (:mod:`phalanx.train.optimizers`).
-    ``strategy`` places parameters and optimizer state otherwise than on every worker:
+    ``strategy`` places parameters and optimizer state otherwise than on every worker (the default,
+    :class:`~phalanx.strategies.base.Replicated`, is ``px.DataParallel``'s; each strategy refuses the
+    options it cannot honour, naming the pair):
     :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
     process ``fit`` serves, and returns the workers' history) or
     :class:`px.CentralStorage <phalanx.strategies.central_storage.CentralStorage>`; see docs/strategies.md.
@@ -85,12 +86,15 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     _check_accumulation(accumulate_steps, reproducible)
     precision = resolve_precision(precision)
     clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
-    _check_precision(precision, clipping, reproducible, strategy)
+    _check_precision(precision, reproducible)
     _check_step(loss_fn, step_fn, reproducible)
-    if isinstance(optimizer, (list, tuple)) and strategy is not None:
-        raise ConfigurationError("a list of optimizers with strategy=: the strategies hold one optimizer's state; use "
-                                 "one optimizer with parameter groups, or px.DataParallel.")
-    _check_strategy(strategy, micro, checkpoint_dir, checkpoint_every)
+    several = isinstance(optimizer, (list, tuple))
+    optimizer = OptimizerGroup(optimizer) if several else optimizer
+    rates = LearningRates(lr_schedule, optimizer, validates=val_data is not None)
+    strategy = strategy if strategy is not None else Replicated()
+    strategy.check(FitOptions(precision, clipping is not None, reproducible,
+                              None if checkpoint_dir is None else str(checkpoint_dir), checkpoint_every, several,
+                              rates.torch_scheduler is not None, elastic.enabled()))
     _check_one_meaning(model, train_data, global_batch_size, accumulate_steps)
     _check_checkpoints(checkpoint_dir, checkpoint_every, callbacks)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
@@ -101,14 +105,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     if runtime.role() == "server":
         return _serve(strategy, model, optimizer, loader, val_loader, len(resolve(metrics)))
     torch.manual_seed(mix_seed(seed, runtime.rank()))
-    if isinstance(optimizer, (list, tuple)):
-        optimizer = OptimizerGroup(optimizer)
-    rates = LearningRates(lr_schedule, optimizer, validates=val_loader is not None)
-    if rates.torch_scheduler is not None and strategy is not None and strategy.asynchronous:
-        raise ConfigurationError(
-            "asynchronous parameter servers with a torch lr scheduler: each worker applies the steps it is dealt, so "
-            "no worker sees every optimizer step; give lr_schedule a function of the epoch (px.lr.cosine(...)).")
-    model, optimizer = strategy.setup(model, optimizer) if strategy is not None else (_wrap(model), optimizer)
+    model, optimizer = strategy.setup(model, optimizer)
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
                        exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps,
                        precision=Precision(precision, runtime.device()), clipping=clipping, rates=rates,
@@ -116,10 +113,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     hooks = cb.CallbackList(_callbacks(callbacks, verbose, global_batch_size, checkpoint_dir, checkpoint_every,
                                        log_dir))
     prepare = functools.partial(_prepare, state, checkpoint_dir if resume else None, verbose)
-    if strategy is None:
-        _train(state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
-    else:
-        _train_with(strategy, state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
+    _train_with(strategy, state, hooks, loss_fn, val_loader, checkpoint_dir, prepare)
     return state.history
 
 
@@ -130,7 +124,7 @@ def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, 
     return evaluate_batches(model, loss_fn, _loader(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
 
 
-def _serve(strategy: Strategy | None, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader,
+def _serve(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader,
            val_loader: DistributedLoader | None, num_metrics: int) -> History:
     """A parameter server's ``fit``: serve its shard until the workers are done; their history."""
     if not isinstance(strategy, ParameterServer):
@@ -159,27 +153,6 @@ def _train_with(strategy: Strategy, state: TrainState, hooks: Any, loss_fn: Call
         strategy.close()
         raise
     strategy.finish(state.history.state_dict())
-
-
-def _check_strategy(strategy: Strategy | None, micro_batch_size: int | None, checkpoint_dir: str | Path | None,
-                    checkpoint_every: int | None) -> None:
-    if strategy is None:
-        return
-    if isinstance(strategy, CentralStorage) and elastic.enabled():
-        raise ConfigurationError(
-            "px.CentralStorage keeps the optimizer state on one rank, which an elastic job could lose: use "
-            "px.DataParallel or px.ParameterServer with --min-workers.")
-    if strategy.asynchronous and checkpoint_every is not None:
-        raise ConfigurationError(
-            "asynchronous parameter servers checkpoint at epoch ends (mid-epoch, the dealt batches are not a "
-            "position); drop checkpoint_every.")
-    if micro_batch_size is not None:
-        raise ConfigurationError("reproducible=True trains with px.DataParallel only; drop strategy= or reproducible=.")
-    if isinstance(strategy, CentralStorage) and strategy.rank != 0 and checkpoint_dir is not None:
-        raise ConfigurationError("checkpoints are written by rank 0, so with checkpoint_dir use CentralStorage(rank=0).")
-    if runtime.role() == "worker" and runtime.num_servers() and not isinstance(strategy, ParameterServer):
-        raise ConfigurationError(
-            "the job was launched with parameter servers (--servers), but strategy= is not px.ParameterServer.")
 
 
 def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int) -> None:
@@ -323,12 +296,6 @@ def _train_steps(state: TrainState, hooks: Any, loss_fn: Callable, commit: Calla
     return True
 
 
-def _wrap(model: nn.Module) -> DataParallel:
-    if isinstance(model, DataParallel):
-        return model
-    return DataParallel(model.to(runtime.device()))
-
-
 def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ConfigurationError(f"accumulate_steps must be a whole number of at least 1, got {accumulate_steps!r}.")
@@ -348,18 +315,11 @@ def _check_step(loss_fn: Callable | None, step_fn: Callable | None, reproducible
                                  "micro-batches through loss_fn; use loss_fn, or reproducible=False.")
 
 
-def _check_precision(precision: str, clipping: Clipping | None, reproducible: bool, strategy: Strategy | None) -> None:
-    """Refuse the pairs that cannot keep their promises, naming both."""
+def _check_precision(precision: str, reproducible: bool) -> None:
     if reproducible and precision != "32":
         raise ConfigurationError(
             f"reproducible=True with precision={precision!r}: bitwise identical weights across worker counts are "
             "promised in float32 only; use precision='32' for reproducible runs.")
-    if isinstance(strategy, ParameterServer) and (precision == "16-mixed" or clipping is not None):
-        what = "precision='16-mixed' (its scaled gradients)" if precision == "16-mixed" else "gradient clipping"
-        raise ConfigurationError(
-            f"px.ParameterServer with {what}: the gradients are averaged and applied on the servers, where the "
-            "workers' scaler and clipping do not reach; use px.DataParallel or px.CentralStorage, or "
-            "precision='bf16-mixed' without clipping.")
 
 
 def _check_one_meaning(model: nn.Module, train_data: Any, global_batch_size: int, accumulate_steps: int) -> None:

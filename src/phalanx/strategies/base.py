@@ -1,0 +1,80 @@
+"""What px.fit's loop asks of a strategy: where parameters and optimizer state live.
+
+A strategy is one small object (as Lightning's ``Strategy`` is): ``check`` refuses, before anything
+trains, the options it cannot honour (naming the pair); ``setup`` turns the user's model and
+optimizer into the ones the loop trains (a ``px.DataParallel`` and an optimizer whose ``step`` does
+what the strategy needs); ``finish``/``close`` end it cleanly or after a failure. ``asynchronous``
+says whether workers run in lockstep. :class:`Replicated` (every worker holds everything, the
+default), :class:`~phalanx.strategies.central_storage.CentralStorage` and
+:class:`~phalanx.strategies.parameter_server.ParameterServer` implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
+from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.data_parallel import DataParallel
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """The options of one ``px.fit`` call that a strategy may have to refuse."""
+
+    precision: str = "32"
+    clipping: bool = False
+    reproducible: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    several_optimizers: bool = False
+    torch_scheduler: bool = False
+    elastic: bool = False
+
+
+class Strategy(Protocol):
+    """Where the parameters and the optimizer state live (see the module's docstring)."""
+
+    asynchronous: bool
+
+    def check(self, options: FitOptions) -> None: ...
+    def setup(self, model: nn.Module, optimizer: Any) -> tuple[DataParallel, Any]: ...
+    def finish(self, history: dict[str, Any] | None = None) -> None: ...
+    def close(self) -> None: ...
+
+
+class Replicated:
+    """Every worker holds the parameters and the optimizer state; gradients are averaged by
+    ``px.DataParallel`` during backward. The default strategy."""
+
+    asynchronous = False
+
+    def check(self, options: FitOptions) -> None:
+        refuse_parameter_servers_launched("px.DataParallel")
+
+    def setup(self, model: nn.Module, optimizer: Any) -> tuple[DataParallel, Any]:
+        wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
+        return wrapped, optimizer
+
+    def finish(self, history: dict[str, Any] | None = None) -> None:
+        """Nothing to tear down."""
+
+    def close(self) -> None:
+        """Nothing to tear down."""
+
+
+def refuse_parameter_servers_launched(strategy: str) -> None:
+    """A job launched with ``--servers`` trains only with ``px.ParameterServer``."""
+    if runtime.role() == "worker" and runtime.num_servers():
+        raise ConfigurationError(
+            f"the job was launched with parameter servers (--servers), but px.fit trains with {strategy}: pass "
+            "strategy=px.ParameterServer(), or launch without --servers.")
+
+
+def refuse(strategy: str, what: str, why: str) -> None:
+    """Refuse an option this strategy cannot honour, naming both."""
+    raise ConfigurationError(f"{strategy} with {what}: {why}")
+

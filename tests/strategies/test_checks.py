@@ -1,0 +1,47 @@
+"""Each strategy refuses, before anything trains, the px.fit options it cannot honour, naming the pair."""
+
+from __future__ import annotations
+
+import pytest
+
+import phalanx as px
+from phalanx.strategies.base import FitOptions, Replicated
+
+REFUSED = [
+    (px.CentralStorage(), FitOptions(elastic=True), r"px.CentralStorage with an elastic job"),
+    (px.CentralStorage(), FitOptions(reproducible=True), r"px.CentralStorage with reproducible=True"),
+    (px.CentralStorage(), FitOptions(several_optimizers=True), r"px.CentralStorage with a list of optimizers"),
+    (px.CentralStorage(rank=1), FitOptions(checkpoint_dir="runs"), r"CentralStorage\(rank=1\) with checkpoint_dir"),
+    (px.ParameterServer(), FitOptions(precision="16-mixed"), r"with precision='16-mixed'"),
+    (px.ParameterServer(), FitOptions(clipping=True), r"ParameterServer\(mode='sync'\) with gradient clipping"),
+    (px.ParameterServer(), FitOptions(reproducible=True), r"with reproducible=True"),
+    (px.ParameterServer("async"), FitOptions(checkpoint_every=10), r"mode='async'\) with checkpoint_every"),
+    (px.ParameterServer("async"), FitOptions(torch_scheduler=True), r"mode='async'\) with a torch lr scheduler"),
+]
+ACCEPTED = [
+    (Replicated(), FitOptions(precision="16-mixed", clipping=True, reproducible=True, several_optimizers=True,
+                              torch_scheduler=True, elastic=True, checkpoint_every=5)),
+    (px.CentralStorage(), FitOptions(precision="16-mixed", clipping=True, torch_scheduler=True, checkpoint_every=5)),
+    (px.ParameterServer(), FitOptions(precision="bf16-mixed", torch_scheduler=True, checkpoint_every=5, elastic=True)),
+]
+
+
+@pytest.mark.parametrize("strategy, options, message", REFUSED, ids=[m for _, _, m in REFUSED])
+def test_a_strategy_refuses_what_it_cannot_honour(strategy, options: FitOptions, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(px.ConfigurationError, match=message):
+        strategy.check(options)
+
+
+@pytest.mark.parametrize("strategy, options", ACCEPTED, ids=[type(s).__name__ for s, _ in ACCEPTED])
+def test_and_accepts_what_it_can(strategy, options: FitOptions) -> None:  # type: ignore[no-untyped-def]
+    strategy.check(options)
+
+
+def test_a_job_launched_with_servers_trains_with_parameter_servers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    launched = {"PHALANX_RANK": "0", "PHALANX_WORLD_SIZE": "1", "PHALANX_LOCAL_RANK": "0",
+                "PHALANX_LOCAL_WORLD_SIZE": "1", "PHALANX_SERVERS": "2"}  # a worker of `phalanx run --servers 2`
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    for strategy in (Replicated(), px.CentralStorage()):
+        with pytest.raises(px.ConfigurationError, match="launched with parameter servers"):
+            strategy.check(FitOptions())
