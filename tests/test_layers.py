@@ -132,3 +132,10 @@ def test_nothing_but_the_runtime_reads_the_process_global_state() -> None:
         if isinstance(node, ast.Attribute) and node.attr in RUNTIME_STATE
         and isinstance(node.value, ast.Name) and node.value.id == "runtime")
     assert not readers, f"modules reading the runtime's globals directly: {readers}"
+
+
+def test_the_parameter_server_wire_protocol_stays_in_strategies() -> None:
+    """px.fit's loops see tasks and clients, never request kinds or reply statuses."""
+    readers = sorted(name for name, path in MODULES.items()
+                     if part_of(name) != "strategies" and "phalanx.strategies.protocol" in imports_of(path))
+    assert not readers, f"modules outside strategies/ reading the wire protocol: {readers}"

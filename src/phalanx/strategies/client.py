@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -102,6 +102,10 @@ class ServerClient:
             return Task(Status.EPOCH_DONE, totals=totals)
         step, share = divmod(task, shares)
         return Task(Status.TASK, Phase(phase), step, share, shares, bool(waited), applied // shares)
+
+    def deal(self, epoch: int, before_each: Callable[[], None]) -> Dealing:
+        """Async: ``epoch``'s tasks from server 0, as the training loop iterates them (see :class:`Dealing`)."""
+        return Dealing(self, epoch, before_each)
 
     def pull(self) -> None:
         """Fetch the newest parameters from every server."""
@@ -241,6 +245,45 @@ class Task:
     waited: bool = False
     progress: int = 0  # global batches of the epoch fully applied when this task was dealt
     totals: torch.Tensor | None = None
+
+    @property
+    def training(self) -> bool:
+        """A training batch (else a validation batch)."""
+        return self.phase is Phase.TRAIN
+
+
+class Dealing:
+    """One epoch's tasks dealt by server 0 (asynchronous mode), as the training loop sees them.
+
+    Iterating yields each task, after ``before_each`` (an elastic job follows its group there) and
+    after pulling the newest parameters where the staleness bound held this worker back or
+    validation begins; :meth:`report` hands in the last task's metric sums, which travel with the
+    next request. After the last task this worker holds the final parameters and ``totals`` the
+    epoch's summed metrics (training, then validation). The wire protocol stays in this module.
+    """
+
+    def __init__(self, client: ServerClient, epoch: int, before_each: Callable[[], None]):
+        self.client, self.epoch, self.before_each = client, epoch, before_each
+        self.totals: torch.Tensor | None = None
+        self._sums: torch.Tensor | None = None
+
+    def __iter__(self) -> Iterator[Task]:
+        phase_seen = None
+        while True:
+            self.before_each()
+            task, self._sums = self.client.next_task(self.epoch, self._sums), None
+            if task.status is Status.EPOCH_DONE:
+                self.totals = task.totals
+                self.client.pull()  # every update of the epoch is applied: the same parameters everywhere
+                return
+            if task.waited or task.phase != phase_seen:
+                self.client.pull()
+                phase_seen = task.phase
+            yield task
+
+    def report(self, sums: torch.Tensor) -> None:
+        """The metric sums of the task just done."""
+        self._sums = sums
 
 
 class _Sends:

@@ -18,7 +18,6 @@ import torch
 
 from phalanx import elastic
 from phalanx.strategies.client import ServerClient, Task
-from phalanx.strategies.protocol import Phase, Status
 from phalanx.train.metrics import Metric, fresh_copies
 from phalanx.train.state import TrainState
 from phalanx.train.steps import batch_loss, samples_in, train_step
@@ -44,17 +43,11 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, cl
     state.model.train()
     state.epoch, state.step = epoch, 0
     hooks.on_epoch_begin(epoch, state)
-    phase_seen, sums = None, None
     started, samples = time.perf_counter(), 0
-    while True:
-        elastic.follow()  # a lost worker's batch is dealt again; the group re-forms between batches
-        task = client.next_task(epoch, sums)
-        if task.status is Status.EPOCH_DONE:
-            break
-        if task.waited or task.phase != phase_seen:  # held back, or validation starts: the newest parameters
-            client.pull()
-            phase_seen = task.phase
-        if task.phase is Phase.TRAIN:
+    # a lost worker's batch is dealt again; an elastic group re-forms between batches
+    dealing = client.deal(epoch, before_each=elastic.follow)
+    for task in dealing:
+        if task.training:
             sums = _train_task(state, hooks, loss_fn, epoch, task)
             samples += state.loader.last_local_batch_size
             state.step, state.global_step = task.progress + 1, state.global_step + 1  # the epoch's progress
@@ -62,9 +55,9 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, cl
                                           "samples_per_s": samples / max(time.perf_counter() - started, 1e-9)}, state)
         else:
             sums = _validate_task(state, loss_fn, val_loader, task)
-    totals = task.totals
+        dealing.report(sums)
+    totals = dealing.totals
     assert totals is not None
-    client.pull()  # every update of the epoch is applied: the same parameters on every worker
     half = totals.numel() // 2
     logs = _values(state.metrics, totals[:half])
     if val_loader is not None:
