@@ -56,8 +56,10 @@ def _reference(name: str) -> dict:
     return {"weights": model.state_dict(), "lr": optimizer.param_groups[0]["lr"]}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+CASES = [(name, 2) for name in sorted(SCHEDULERS)] + [("StepLR every 3 steps", 1)]
+
+
+@pytest.mark.parametrize("name, world_size", CASES)
 def test_a_torch_scheduler_is_stepped_as_a_serial_loop_steps_it(name: str, world_size: int) -> None:
     results = run_workers(_fit, world_size, name, timeout=150)
     reference = _reference(name)

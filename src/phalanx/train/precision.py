@@ -70,6 +70,7 @@ class Precision:
                 clipping.clip(optimizer)
             optimizer.step()
             return True
+        self.scaler.scale(torch.ones((), device=self.device))  # starts the scale on a rank that had no samples
         self._agree_on_overflow(optimizer)
         self.scaler.unscale_(optimizer)
         if clipping is not None:
