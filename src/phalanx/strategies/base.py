@@ -35,13 +35,24 @@ class FitOptions:
     elastic: bool = False
 
 
+class OptimizerLike(Protocol):
+    """A torch optimizer, or several stepped as one (``px.fit`` takes a list)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+    def step(self) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Strategy(Protocol):
     """Where the parameters and the optimizer state live (see the module's docstring)."""
 
     asynchronous: bool
 
     def check(self, options: FitOptions) -> None: ...
-    def setup(self, model: nn.Module, optimizer: Any) -> tuple[DataParallel, Any]: ...
+    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]: ...
     def finish(self, history: dict[str, Any] | None = None) -> None: ...
     def close(self) -> None: ...
 
@@ -55,7 +66,7 @@ class Replicated:
     def check(self, options: FitOptions) -> None:
         refuse_parameter_servers_launched("px.DataParallel")
 
-    def setup(self, model: nn.Module, optimizer: Any) -> tuple[DataParallel, Any]:
+    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
         wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
         return wrapped, optimizer
 
