@@ -17,6 +17,8 @@ REFUSED = [
     (px.ParameterServer(), FitOptions(reproducible=True), r"with reproducible=True"),
     (px.ParameterServer("async"), FitOptions(checkpoint_every=10), r"mode='async'\) with checkpoint_every"),
     (px.ParameterServer("async"), FitOptions(torch_scheduler=True), r"mode='async'\) with a torch lr scheduler"),
+    (px.CentralStorage(), FitOptions(manual_step=True), r"CentralStorage with a step_fn that steps its own"),
+    (px.ParameterServer(), FitOptions(manual_step=True), r"with a step_fn that steps its own optimizers"),
 ]
 ACCEPTED = [
     (Replicated(), FitOptions(precision="16-mixed", clipping=True, reproducible=True, several_optimizers=True,

@@ -76,3 +76,69 @@ def test_what_a_step_cannot_be_is_refused() -> None:
         loss_fn = options.pop("loss_fn")
         with pytest.raises(px.ConfigurationError, match=message):
             px.fit(model, _optimizers(model), loss_fn, data, **common, **options)
+
+
+class _TwoPlayers(torch.nn.Module):
+    """A generator and a critic; the model's forward is the critic's, so its samples are counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = torch.nn.Linear(10, 10)
+        self.D = torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.D(x)
+
+
+class _AlternatingStep:
+    """A GAN's step: the critic's update on real and generated samples, then the generator's."""
+
+    def __init__(self, players: _TwoPlayers) -> None:
+        self.critic = torch.optim.SGD(players.D.parameters(), lr=0.1)
+        self.generator = torch.optim.SGD(players.G.parameters(), lr=0.1)
+
+    def __call__(self, model, batch, step):  # type: ignore[no-untyped-def]
+        real = batch[0]
+        players = model.module if isinstance(model, px.DataParallel) else model
+        fake = players.G(real.flip(1) * 0.5)
+        critic_loss = F.softplus(-model(real)).mean() + F.softplus(model(fake.detach())).mean()
+        step.backward(critic_loss)
+        step.step(self.critic)
+        generator_loss = F.softplus(-model(fake)).mean()
+        step.backward(generator_loss)
+        step.step(self.generator)
+        return critic_loss.detach() + generator_loss.detach()
+
+
+class _Serial:
+    def __init__(self) -> None:
+        self.training = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+
+def _fit_adversarial() -> dict:
+    players = _TwoPlayers()
+    step = _AlternatingStep(players)
+    history = px.fit(players, [step.critic, step.generator], None, _dataset(), step_fn=step, epochs=EPOCHS,
+                     global_batch_size=GLOBAL_BATCH, val_data=_dataset(), verbose=0)
+    return {"weights": {k: v.clone() for k, v in players.state_dict().items()}, "history": history.history}
+
+
+def test_a_step_that_drives_its_own_backward_and_optimizers_trains_as_the_serial_loop() -> None:
+    players, (x, y) = _TwoPlayers(), _dataset()
+    serial = _AlternatingStep(players)
+    for epoch in range(EPOCHS):
+        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
+            serial.critic.zero_grad()
+            serial.generator.zero_grad()
+            serial(players, (x[indices], y[indices]), _Serial())
+    for result in run_workers(_fit_adversarial, 2, timeout=150):
+        for name, value in players.state_dict().items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+        assert set(result["history"]) == {"loss", "val_loss"}

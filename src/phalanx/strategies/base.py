@@ -33,6 +33,7 @@ class FitOptions:
     several_optimizers: bool = False
     torch_scheduler: bool = False
     elastic: bool = False
+    manual_step: bool = False  # a step_fn that runs its own backward passes and optimizer steps
 
 
 class OptimizerLike(Protocol):

@@ -121,6 +121,9 @@ class CentralStorage:
         if options.reproducible:
             refuse("px.CentralStorage", "reproducible=True", "reproducible mode trains with px.DataParallel only; "
                    "drop strategy= or reproducible=.")
+        if options.manual_step:
+            refuse("px.CentralStorage", "a step_fn that steps its own optimizers", "the optimizer steps on one rank "
+                   "and broadcasts; give step_fn(model, batch) and let px.fit step.")
         if options.several_optimizers:
             refuse("px.CentralStorage", "a list of optimizers", "it holds one optimizer's state; use one optimizer "
                    "with parameter groups.")

@@ -66,6 +66,9 @@ class ParameterServer:
         if options.reproducible:
             refuse(name, "reproducible=True", "reproducible mode trains with px.DataParallel only; drop strategy= or "
                    "reproducible=.")
+        if options.manual_step:
+            refuse(name, "a step_fn that steps its own optimizers", "the servers step the optimizer; give "
+                   "step_fn(model, batch) and let px.fit step.")
         if options.several_optimizers:
             refuse(name, "a list of optimizers", "the servers hold one optimizer's state; use one optimizer with "
                    "parameter groups.")

@@ -28,7 +28,7 @@ from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
 from phalanx.train.optimizers import OptimizerGroup
 from phalanx.train.precision import Clipping, Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
-from phalanx.train.steps import evaluate_batches, train_step
+from phalanx.train.steps import evaluate_batches, takes_step, train_step
 
 LOG_EVERY_STEPS = 10
 
@@ -52,7 +52,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     shape, a model that computes its own loss or an extra term, ``step_fn(model, batch)`` returns the
     batch's mean loss (or ``(loss, outputs)`` for metrics beyond the loss) in place of
     ``loss_fn`` (pass ``None``): phalanx still runs precision, accumulation, reduction, clipping
-    and the step around it, in training and validation. ``train_data`` is a
+    and the step around it, in training and validation. A ``step_fn(model, batch, step)`` that takes
+    a third argument drives its own backward passes and optimizers (``step.backward(loss)``,
+    ``step.step(optimizer)``: a GAN's alternating updates), see :class:`~phalanx.train.steps.ManualStep`.
+    ``train_data`` is a
     dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
     targets)``; a ``torch.utils.data.DataLoader`` keeps its dataset and loading settings and gets
     phalanx's distributed sampler (:mod:`phalanx.data.torch_loaders`). With ``checkpoint_dir`` a checkpoint is written every epoch (and every
@@ -88,13 +91,18 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
     _check_precision(precision, reproducible)
     _check_step(loss_fn, step_fn, reproducible)
+    manual = step_fn is not None and takes_step(step_fn)
+    if manual and accumulate_steps > 1:
+        raise ConfigurationError(f"accumulate_steps={accumulate_steps} with a step_fn(model, batch, step) that runs its "
+                                 "own backward passes: phalanx cannot split them; accumulate inside your step, or "
+                                 "use accumulate_steps=1.")
     several = isinstance(optimizer, (list, tuple))
     optimizer = OptimizerGroup(optimizer) if several else optimizer
     rates = LearningRates(lr_schedule, optimizer, validates=val_data is not None)
     strategy = strategy if strategy is not None else Replicated()
     strategy.check(FitOptions(precision, clipping is not None, reproducible,
                               None if checkpoint_dir is None else str(checkpoint_dir), checkpoint_every, several,
-                              rates.torch_scheduler is not None, elastic.enabled()))
+                              rates.torch_scheduler is not None, elastic.enabled(), manual))
     _check_one_meaning(model, train_data, global_batch_size, accumulate_steps)
     _check_checkpoints(checkpoint_dir, checkpoint_every, callbacks)
     loader = _loader(train_data, global_batch_size, seed, shuffle=True, micro_batch_size=micro)
@@ -109,7 +117,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     state = TrainState(model, optimizer, loader, epochs, seed=seed, metrics=resolve(metrics),
                        exact=ExactGradients(model, micro, seed) if micro else None, accumulate_steps=accumulate_steps,
                        precision=Precision(precision, runtime.device()), clipping=clipping, rates=rates,
-                       step_fn=step_fn)
+                       step_fn=step_fn, manual_step=manual)
     hooks = cb.CallbackList(_callbacks(callbacks, verbose, global_batch_size, checkpoint_dir, checkpoint_every,
                                        log_dir))
     prepare = functools.partial(_prepare, state, checkpoint_dir if resume else None, verbose)

@@ -63,22 +63,37 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, clipping: Clipping | None) -> bool:
-        """Clip and apply the reduced gradients; whether the step was taken (``False``: every rank
-        skipped it because some rank's gradients overflowed)."""
+        """Clip and apply the reduced gradients, then update the scale; whether the step was taken
+        (``False``: every rank skipped it because some rank's gradients overflowed)."""
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        self.apply(optimizer, clipping)
+        self.update()
+        return self.scaler is None or self.scaler.get_scale() >= scale
+
+    def apply(self, optimizer: torch.optim.Optimizer, clipping: Clipping | None) -> None:
+        """Clip and apply one optimizer's reduced gradients (several per step in a step of your own;
+        :meth:`update` once after the last)."""
         if self.scaler is None:
             if clipping is not None:
                 clipping.clip(optimizer)
             optimizer.step()
-            return True
+            return
         self.scaler.scale(torch.ones((), device=self.device))  # starts the scale on a rank that had no samples
         self._agree_on_overflow(optimizer)
         self.scaler.unscale_(optimizer)
         if clipping is not None:
             clipping.clip(optimizer)
-        scale = self.scaler.get_scale()
         self.scaler.step(optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= scale
+
+    def update(self) -> None:
+        """The float16 scale for the next step (shrunk after an overflow, grown after many steps without)."""
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def backward_outside_autocast(self, loss: torch.Tensor) -> None:
+        """:meth:`backward` from inside the forward's autocast (a step of your own): backward runs without it."""
+        with torch.autocast(self.device.type, enabled=False):
+            self.backward(loss)
 
     def _agree_on_overflow(self, optimizer: torch.optim.Optimizer) -> None:
         """Where any rank's gradients are not finite, make this rank's not finite too (before the

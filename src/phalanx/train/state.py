@@ -65,6 +65,7 @@ class TrainState:
     precision: Precision = field(default_factory=Precision)  # autocast, the float16 scaler, the step
     clipping: Clipping | None = None  # of the reduced gradients, before the step
     step_fn: Any = None  # the user's step_fn(model, batch) -> loss | (loss, outputs), else loss_fn's
+    manual_step: bool = False  # step_fn(model, batch, step) drives its own backward and optimizers
     rates: LearningRates = field(default_factory=lambda: LearningRates(None, None, False))  # lr_schedule
     lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
     # The step of this run's newest checkpoint, written or resumed from (None: none yet); the

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.train.metrics import Metric, reduce_metrics
-from phalanx.train.precision import Precision
+from phalanx.train.precision import Clipping, Precision
 from phalanx.train.state import TrainState
 
 
@@ -27,6 +28,9 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
     accumulates chunks, reduces, clips and steps around it.
     """
     state.optimizer.zero_grad(set_to_none=True)
+    if state.manual_step:
+        _own_step(state, to_device(batch))
+        return
     if state.exact is not None:
         inputs, targets = split_batch(batch)
         for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
@@ -59,6 +63,37 @@ def _backward_in_chunks(state: TrainState, batch: Any, loss_fn: Callable | None)
                 metric.update(outputs, targets, loss.detach() * samples_in(part))
 
 
+class ManualStep:
+    """What a ``step_fn(model, batch, step)`` that drives its own backward passes and optimizers is
+    given (a GAN's alternating updates, say). ``backward(loss)`` runs backward (scaled under float16,
+    outside autocast), and the gradient engine averages the gradients over workers as in any step;
+    ``step(optimizer)`` clips that optimizer's gradients and steps it, skipping a float16 overflow
+    on every rank alike. In validation (``training`` false) both do nothing."""
+
+    def __init__(self, precision: Precision, clipping: Clipping | None, training: bool):
+        self.precision, self.clipping, self.training = precision, clipping, training
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.training:
+            self.precision.backward_outside_autocast(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.training:
+            self.precision.apply(optimizer, self.clipping)
+
+
+def _own_step(state: TrainState, batch: Any) -> None:
+    """A step of the user's that drives its own backward passes and optimizers (see :class:`ManualStep`)."""
+    with state.precision.autocast():
+        loss, outputs, targets = _checked(state.step_fn(state.model, batch,
+                                                        ManualStep(state.precision, state.clipping, True)),
+                                          batch, state.metrics)
+    state.precision.update()
+    with torch.no_grad():
+        for metric in state.metrics:
+            metric.update(outputs, targets, loss.detach() * samples_in(batch))
+
+
 def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: Callable | None,
                metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
     """``(loss, outputs, targets)`` of one batch on this device: the user's ``step_fn(model, batch)``,
@@ -69,7 +104,19 @@ def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: 
         outputs = model(*inputs)
         return loss_fn(outputs, targets), _detached(outputs), targets
     batch = to_device(batch)
-    result = step_fn(model, batch)
+    arguments = (ManualStep(Precision(), None, training=False),) if takes_step(step_fn) else ()
+    return _checked(step_fn(model, batch, *arguments), batch, metrics)
+
+
+def takes_step(step_fn: Callable) -> bool:
+    """Whether ``step_fn`` drives its own backward and optimizers: it takes a third argument, the step."""
+    positional = [p for p in inspect.signature(step_fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3
+
+
+def _checked(result: Any, batch: Any, metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
+    """A step_fn's ``loss`` or ``(loss, outputs)``, checked, with the batch's targets."""
     loss, outputs = result if isinstance(result, tuple) else (result, None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ConfigurationError(
