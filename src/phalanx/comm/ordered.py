@@ -18,6 +18,7 @@ import threading
 from typing import Callable, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+CLOSE_WAIT_S = 2.0  # how long close() waits for an aborted call to return before freeing its group
 
 
 class Group(Protocol):
@@ -78,6 +79,12 @@ class OrderedExecutor(Generic[G]):
                 future.set_exception(error)
 
     def close(self) -> None:
+        """Abort a wait in progress, stop the thread, then free the group; a group whose call is
+        still running after :data:`CLOSE_WAIT_S` is left for the process's exit to free (its
+        memory must outlive the call: unmapping it under a waiting thread crashes the process)."""
         self.group.abort()
         self._queue.put(None)
-        self.group.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self.group.close()
