@@ -86,6 +86,20 @@ def refuse_parameter_servers_launched(strategy: str) -> None:
             "strategy=px.ParameterServer(), or launch without --servers.")
 
 
+def refuse_without_replicas(strategy: str, where: str, options: FitOptions) -> None:
+    """Refuse what needs the optimizer on every worker (reproducible mode, several optimizers, a
+    step_fn that steps its own) under a strategy that keeps it ``where`` (on one rank, on the servers)."""
+    if options.reproducible:
+        refuse(strategy, "reproducible=True", "reproducible mode trains with px.DataParallel only; drop strategy= or "
+               "reproducible=.")
+    if options.manual_step:
+        refuse(strategy, "a step_fn that steps its own optimizers", f"the optimizer steps {where}; give "
+               "step_fn(model, batch) and let px.fit step.")
+    if options.several_optimizers:
+        refuse(strategy, "a list of optimizers", f"one optimizer's state lives {where}; use one optimizer with "
+               "parameter groups.")
+
+
 def refuse(strategy: str, what: str, why: str) -> None:
     """Refuse an option this strategy cannot honour, naming both."""
     raise ConfigurationError(f"{strategy} with {what}: {why}")

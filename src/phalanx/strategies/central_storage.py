@@ -22,7 +22,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction, Waitable
-from phalanx.strategies.base import FitOptions, refuse, refuse_parameter_servers_launched
+from phalanx.strategies.base import FitOptions, refuse, refuse_parameter_servers_launched, refuse_without_replicas
 from phalanx.strategies.held import HeldOptimizer
 
 
@@ -118,15 +118,7 @@ class CentralStorage:
         if options.elastic:
             refuse("px.CentralStorage", "an elastic job", "the optimizer state lives on one rank, which an elastic "
                    "job could lose; use px.DataParallel or px.ParameterServer with --min-workers.")
-        if options.reproducible:
-            refuse("px.CentralStorage", "reproducible=True", "reproducible mode trains with px.DataParallel only; "
-                   "drop strategy= or reproducible=.")
-        if options.manual_step:
-            refuse("px.CentralStorage", "a step_fn that steps its own optimizers", "the optimizer steps on one rank "
-                   "and broadcasts; give step_fn(model, batch) and let px.fit step.")
-        if options.several_optimizers:
-            refuse("px.CentralStorage", "a list of optimizers", "it holds one optimizer's state; use one optimizer "
-                   "with parameter groups.")
+        refuse_without_replicas("px.CentralStorage", "on one rank", options)
         if self.rank != 0 and options.checkpoint_dir is not None:
             refuse(f"px.CentralStorage(rank={self.rank})", "checkpoint_dir", "checkpoints are written by rank 0, "
                    "so use CentralStorage(rank=0).")

@@ -18,7 +18,7 @@ from torch import nn
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
-from phalanx.strategies.base import FitOptions, refuse
+from phalanx.strategies.base import FitOptions, refuse, refuse_without_replicas
 from phalanx.strategies.client import PushToServers, ServerClient, ServerOptimizer
 from phalanx.strategies.dealer import Dealer
 from phalanx.strategies.placement import groups, place
@@ -63,15 +63,7 @@ class ParameterServer:
             refuse(name, "precision='16-mixed' (its scaled gradients)", why)
         if options.clipping:
             refuse(name, "gradient clipping", why)
-        if options.reproducible:
-            refuse(name, "reproducible=True", "reproducible mode trains with px.DataParallel only; drop strategy= or "
-                   "reproducible=.")
-        if options.manual_step:
-            refuse(name, "a step_fn that steps its own optimizers", "the servers step the optimizer; give "
-                   "step_fn(model, batch) and let px.fit step.")
-        if options.several_optimizers:
-            refuse(name, "a list of optimizers", "the servers hold one optimizer's state; use one optimizer with "
-                   "parameter groups.")
+        refuse_without_replicas(name, "on the servers", options)
         if self.asynchronous and options.checkpoint_every is not None:
             refuse(name, "checkpoint_every", "asynchronous parameter servers checkpoint at epoch ends (mid-epoch, "
                    "the dealt batches are not a position); drop checkpoint_every.")
