@@ -10,15 +10,18 @@ time, and the median of the paired ratios against float32 (above 1: faster than 
 """
 
 import argparse
-import importlib.util
+import os
 import statistics
+import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import phalanx as px
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ddp import MODEL_SPECS, build_model  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--reps", type=int, default=7)
@@ -29,15 +32,11 @@ parser.add_argument("--global-batch", type=int, default=96)
 parser.add_argument("--variants", nargs="+", default=["32", "bf16-mixed", "16-mixed"])
 args = parser.parse_args()
 
-spec = importlib.util.spec_from_file_location("bench_ddp", Path(__file__).with_name("bench_ddp.py"))
-bench_ddp = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_ddp)
-
 torch.set_num_threads(1)
 px.init()
 samples = args.global_batch * (args.steps + args.warmup)
 generator = torch.Generator().manual_seed(0)
-x = torch.randn(samples, *bench_ddp.MODEL_SPECS[args.model]["input"], generator=generator)
+x = torch.randn(samples, *MODEL_SPECS[args.model]["input"], generator=generator)
 y = torch.randint(0, 10, (samples,), generator=generator)
 
 
@@ -58,7 +57,7 @@ class StepTimes(px.callbacks.Callback):
 
 def run(precision: str) -> float:
     torch.manual_seed(0)
-    model = bench_ddp.build_model(args.model)
+    model = build_model(args.model)
     timer = StepTimes()
     px.fit(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), F.cross_entropy, (x, y), epochs=1,
            global_batch_size=args.global_batch, precision=precision, verbose=0, callbacks=[timer])

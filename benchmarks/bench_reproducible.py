@@ -11,15 +11,18 @@ time (each the median of --steps steps after warm-up) and the median of the pair
 """
 
 import argparse
-import importlib.util
+import os
 import statistics
+import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import phalanx as px
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ddp import MODEL_SPECS, build_model  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--reps", type=int, default=7)
@@ -30,21 +33,17 @@ parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
 parser.add_argument("--global-batch", type=int, default=64)
 args = parser.parse_args()
 
-spec = importlib.util.spec_from_file_location("bench_ddp", Path(__file__).with_name("bench_ddp.py"))
-bench_ddp = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_ddp)
-
 torch.set_num_threads(1)
 px.init()
 start, stop = px.data.share_bounds(args.global_batch, px.size(), px.rank(), args.micro)
 generator = torch.Generator().manual_seed(0)
-x = torch.randn(args.global_batch, *bench_ddp.MODEL_SPECS[args.model]["input"], generator=generator)[start:stop]
+x = torch.randn(args.global_batch, *MODEL_SPECS[args.model]["input"], generator=generator)[start:stop]
 y = torch.randint(0, 10, (args.global_batch,), generator=generator)[start:stop]
 
 
 def make(variant: str):
     torch.manual_seed(0)
-    model = px.DataParallel(bench_ddp.build_model(args.model))
+    model = px.DataParallel(build_model(args.model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if variant == "default":
         def step() -> None:
