@@ -20,7 +20,7 @@ from phalanx import elastic
 from phalanx.strategies.client import ServerClient, Task
 from phalanx.train.metrics import Metric, fresh_copies
 from phalanx.train.state import TrainState
-from phalanx.train.steps import batch_loss, samples_in, train_step
+from phalanx.train.steps import evaluate_batch, train_step
 
 
 def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, client: ServerClient) -> None:
@@ -79,14 +79,10 @@ def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, epoch: int, ta
 @torch.no_grad()
 def _validate_task(state: TrainState, loss_fn: Callable, val_loader: Any, task: Task) -> torch.Tensor:
     metrics = fresh_copies(state.metrics)
-    batch = val_loader.batch_at(0, task.step, task.share, task.shares)
-    if samples_in(batch):
-        state.model.eval()
-        with state.precision.autocast():
-            loss, outputs, targets = batch_loss(state.model, batch, loss_fn, state.step_fn, metrics)
-        for metric in metrics:
-            metric.update(outputs, targets, loss * samples_in(batch))
-        state.model.train()
+    state.model.eval()
+    evaluate_batch(state.model, val_loader.batch_at(0, task.step, task.share, task.shares), loss_fn, state.step_fn,
+                   metrics, state.precision)
+    state.model.train()
     return _sums(metrics)
 
 

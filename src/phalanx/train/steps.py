@@ -28,8 +28,9 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
     accumulates chunks, reduces, clips and steps around it.
     """
     state.optimizer.zero_grad(set_to_none=True)
+    batch = to_device(batch)
     if state.manual_step:
-        _own_step(state, to_device(batch))
+        _own_step(state, batch)
         return
     if state.exact is not None:
         inputs, targets = split_batch(batch)
@@ -37,12 +38,10 @@ def train_step(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
                                                                  state.loader.last_global_batch_size):
             for metric in state.metrics:
                 metric.update(outputs, micro_targets, loss * len(micro_targets))
+    elif samples_in(batch) == 0:
+        state.model.reduce_without_data()
     else:
-        batch = to_device(batch)
-        if samples_in(batch) == 0:
-            state.model.reduce_without_data()
-        else:
-            _backward_in_chunks(state, batch, loss_fn)
+        _backward_in_chunks(state, batch, loss_fn)
     state.precision.step(state.optimizer, state.clipping)
 
 
@@ -96,14 +95,13 @@ def _own_step(state: TrainState, batch: Any) -> None:
 
 def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: Callable | None,
                metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
-    """``(loss, outputs, targets)`` of one batch on this device: the user's ``step_fn(model, batch)``,
-    or ``loss_fn(model(*inputs), targets)``."""
+    """``(loss, outputs, targets)`` of one batch already on this device (:func:`to_device`): the
+    user's ``step_fn(model, batch)``, or ``loss_fn(model(*inputs), targets)``."""
     if step_fn is None:
         assert loss_fn is not None
         inputs, targets = split_batch(batch)
         outputs = model(*inputs)
         return loss_fn(outputs, targets), _detached(outputs), targets
-    batch = to_device(batch)
     arguments = (ManualStep(Precision(), None, training=False),) if takes_step(step_fn) else ()
     return _checked(step_fn(model, batch, *arguments), batch, metrics)
 
@@ -179,24 +177,31 @@ def evaluate_batches(model: nn.Module, loss_fn: Callable | None, loader: Any, me
     for metric in metrics:
         metric.reset()
     for batch in loader:
-        if samples_in(batch):
-            with precision.autocast() if precision is not None else contextlib.nullcontext():
-                loss, outputs, targets = batch_loss(model, batch, loss_fn, step_fn, metrics)
-            for metric in metrics:
-                metric.update(outputs, targets, loss * samples_in(batch))
+        evaluate_batch(model, batch, loss_fn, step_fn, metrics, precision)
     model.train(was_training)
     return reduce_metrics(metrics, prefix)
 
 
+def evaluate_batch(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: Callable | None,
+                   metrics: list[Metric], precision: Precision | None) -> None:
+    """Add one batch's loss and outputs on this worker to ``metrics`` (forward and loss in ``precision``)."""
+    batch = to_device(batch)
+    samples = samples_in(batch)
+    if samples:
+        with precision.autocast() if precision is not None else contextlib.nullcontext():
+            loss, outputs, targets = batch_loss(model, batch, loss_fn, step_fn, metrics)
+        for metric in metrics:
+            metric.update(outputs, targets, loss * samples)
+
+
 def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``(inputs..., targets)`` moved to this worker's device."""
+    """``(inputs..., targets)`` of a batch, refused with a clear error when it is not one."""
     if not isinstance(batch, (tuple, list)) or len(batch) < 2:
         raise ConfigurationError(
             "px.fit expects batches of (inputs..., targets); give a dataset whose items are (x, y) pairs, "
             "or a step_fn(model, batch) that computes the loss of batches of another shape."
         )
-    moved = to_device(batch)
-    return tuple(moved[:-1]), moved[-1]
+    return tuple(batch[:-1]), batch[-1]
 
 
 def to_device(batch: Any) -> Any:
