@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -48,6 +49,12 @@ def _fit_everywhere(options: dict | None = None) -> dict:
     history = px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=EPOCHS,
                      global_batch_size=GLOBAL_BATCH, val_data=_dataset(), metrics=["accuracy"], verbose=0, **options)
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "history": history.history}
+
+
+def global_batches() -> Iterator[torch.Tensor]:
+    """The sample indices of every global batch the serial loops train on, epoch after epoch."""
+    for epoch in range(EPOCHS):
+        yield from epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True)
 
 
 def _serial_reference() -> tuple[dict, list[float]]:

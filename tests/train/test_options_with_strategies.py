@@ -8,9 +8,8 @@ from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx as px
-from phalanx.data import epoch_plan
 from tests.harness import run_workers
-from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, SAMPLES, _dataset, _model, _optimizer
+from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, _dataset, _model, _optimizer, global_batches
 
 CLIP = 0.5
 
@@ -30,15 +29,14 @@ def _reference(dtype: torch.dtype | None) -> dict:
     model, (x, y) = _model(), _dataset()
     optimizer = _optimizer(model)
     scheduler = lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
-    for epoch in range(EPOCHS):
-        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
-            optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                loss = F.cross_entropy(model(x[indices]), y[indices])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
-            scheduler.step()
+    for indices in global_batches():
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x[indices]), y[indices])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        scheduler.step()
     return model.state_dict()
 
 

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.data import epoch_plan
 from tests.harness import run_workers
-from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, SAMPLES, _dataset, _model, _optimizer
+from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, _dataset, _model, _optimizer, global_batches
 
 DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -69,27 +68,24 @@ def _reference(precision: str = "32", clip_grad_norm: float | None = None, clip_
     optimizer = _optimizer(model)
     dtype = DTYPES.get(precision)
     scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
-    step = 0
-    for epoch in range(EPOCHS):
-        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
-            optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x[indices]), y[indices])
-            if step == overflow_step:
-                loss = loss * math.inf
-            (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.unscale_(optimizer)
-            if clip_grad_value:
-                torch.nn.utils.clip_grad_value_(model.parameters(), clip_grad_value)
-            if clip_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            step += 1
+    for step, indices in enumerate(global_batches()):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x[indices]), y[indices])
+        if step == overflow_step:
+            loss = loss * math.inf
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)
+        if clip_grad_value:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_grad_value)
+        if clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
     return {"weights": model.state_dict(), "scale": scaler.get_scale() if scaler else None}
 
 

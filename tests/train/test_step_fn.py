@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.data import epoch_plan
 from tests.harness import run_workers
-from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, SAMPLES, _dataset, _model
+from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, _dataset, _model, global_batches
 
 PENALTY = 1e-2
 
@@ -37,13 +36,12 @@ def _fit(options: dict) -> dict:
 def _reference() -> dict:
     model, (x, y) = _model(), _dataset()
     optimizers = _optimizers(model)
-    for epoch in range(EPOCHS):
-        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
-            for optimizer in optimizers:
-                optimizer.zero_grad()
-            _step(model, (x[indices], y[indices]))[0].backward()
-            for optimizer in optimizers:
-                optimizer.step()
+    for indices in global_batches():
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        _step(model, (x[indices], y[indices]))[0].backward()
+        for optimizer in optimizers:
+            optimizer.step()
     return model.state_dict()
 
 
@@ -133,11 +131,10 @@ def _fit_adversarial() -> dict:
 def test_a_step_that_drives_its_own_backward_and_optimizers_trains_as_the_serial_loop() -> None:
     players, (x, y) = _TwoPlayers(), _dataset()
     serial = _AlternatingStep(players)
-    for epoch in range(EPOCHS):
-        for indices in epoch_plan(SAMPLES, GLOBAL_BATCH, seed=0, epoch=epoch, shuffle=True):
-            serial.critic.zero_grad()
-            serial.generator.zero_grad()
-            serial(players, (x[indices], y[indices]), _Serial())
+    for indices in global_batches():
+        serial.critic.zero_grad()
+        serial.generator.zero_grad()
+        serial(players, (x[indices], y[indices]), _Serial())
     for result in run_workers(_fit_adversarial, 2, timeout=150):
         for name, value in players.state_dict().items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
