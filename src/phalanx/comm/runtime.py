@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import faults
-from phalanx.comm import algorithms, cost, formation, shm
+from phalanx.comm import cost, formation, shm
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.membership import (
@@ -271,11 +271,6 @@ def host_arena(tag: str, nbytes: int) -> torch.Tensor:
 def shares_one_host() -> bool:
     """Whether every worker is on this host and reduces through shared memory."""
     return _current is not None and _current.shares_one_host()
-
-
-def message_executor() -> OrderedExecutor[algorithms.MessageGroup]:
-    """The executor of phalanx's own allreduce algorithms on the current generation's group of their own."""
-    return communicator().message_executor()
 
 
 def links() -> dict[int, cost.Link]:
