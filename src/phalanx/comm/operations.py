@@ -135,22 +135,18 @@ class Collectives:
         finally:
             _scope.reset(token)
 
-
     def _size(self) -> int:
         scope = _scope.get()
         return self.size if scope is None else len(scope.ranks)
-
 
     def _rank(self) -> int:
         scope = _scope.get()
         return self.rank if scope is None else scope.ranks.index(self.rank)
 
-
     def _global_rank(self, rank: int) -> int:
         """The global rank of position ``rank`` in the current scope (the torch.distributed calls' root)."""
         scope = _scope.get()
         return rank if scope is None else scope.ranks[rank]
-
 
     @contextlib.contextmanager
     def translate_errors(self, operation: str) -> Iterator[None]:
@@ -175,16 +171,13 @@ class Collectives:
                 "output names the root cause."
             ) from error
 
-
     @overload
     def allreduce(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
                   check: bool = ..., algorithm: str = ...) -> torch.Tensor: ...
 
-
     @overload
     def allreduce(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
                   check: bool = ..., algorithm: str = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
@@ -201,23 +194,19 @@ class Collectives:
         """
         return self._allreduce(tensor, op, async_op, check, algorithm, in_place=False)
 
-
     @overload
     def allreduce_(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
                    check: bool = ..., algorithm: str = ...) -> torch.Tensor: ...
 
-
     @overload
     def allreduce_(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
                    check: bool = ..., algorithm: str = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                    check: bool = True, algorithm: str = "backend") -> torch.Tensor | Handle[torch.Tensor]:
         """Like :meth:`allreduce`, but in place: ``tensor`` receives the result and is returned."""
         return self._allreduce(tensor, op, async_op, check, algorithm, in_place=True)
-
 
     def _allreduce(self, tensor: torch.Tensor, op: str, async_op: bool, check: bool, algorithm: str,
                    in_place: bool) -> torch.Tensor | Handle[torch.Tensor]:
@@ -228,13 +217,12 @@ class Collectives:
         problem = self._problem(tensor, op=op, algorithm=None if scoped else algorithm)
         folds = not tensor.is_cuda and algorithm in ("backend", "auto") and self._one_host_executor() is not None
         plan, agreement = self._agree_or_fold("allreduce", tensor, detail, problem, check, folds,
-                                         lambda: wire.reduction(tensor.dtype, op, "allreduce"))
+                                              lambda: wire.reduction(tensor.dtype, op, "allreduce"))
         work = _detached(tensor) if in_place else _copy(tensor)
         finish = self._finisher(plan, work, tensor if in_place else work)
         if scoped:
             return self._backend_allreduce(plan.encode(work), plan.op, finish, async_op)
         return self._allreduce_routed(plan.encode(work), plan.op, algorithm, finish, async_op, agreement)
-
 
     def _allreduce_routed(self, data: torch.Tensor, op: str, algorithm: str, finish: Callable[[torch.Tensor], T],
                           async_op: bool, agreement: shm.Agreement | None = None) -> T | Handle[T]:
@@ -248,7 +236,6 @@ class Collectives:
             return self._backend_allreduce(data, op, finish, async_op)
         return self._through(executor, data, op, algorithm, finish, async_op, agreement=agreement)
 
-
     def _finisher(self, plan: wire.Reduction, work: torch.Tensor, result: T) -> Callable[[torch.Tensor], T]:
         """What turns the reduced tensor that travelled into the caller's ``result``: averaged for
         "avg", and written back into ``work`` where it was a converted copy."""
@@ -259,16 +246,13 @@ class Collectives:
             return result
         return finish
 
-
     @overload
     def broadcast(self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[False] = ...,
                   check: bool = ...) -> torch.Tensor: ...
 
-
     @overload
     def broadcast(self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True],
                   check: bool = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, async_op: bool = False,
@@ -276,23 +260,19 @@ class Collectives:
         """Return a copy of ``root``'s tensor on every rank (contiguous, not needing grad)."""
         return self._broadcast(tensor, root, async_op, check, in_place=False)
 
-
     @overload
     def broadcast_(self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[False] = ...,
                    check: bool = ...) -> torch.Tensor: ...
 
-
     @overload
     def broadcast_(self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True],
                    check: bool = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def broadcast_(self, tensor: torch.Tensor, root: int = 0, *, async_op: bool = False,
                    check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
         """Overwrite ``tensor`` in place with ``root``'s tensor; return it."""
         return self._broadcast(tensor, root, async_op, check, in_place=True)
-
 
     @_when_open
     def broadcast_tensors_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
@@ -322,23 +302,19 @@ class Collectives:
                 for tensor, piece in zip(group, flat.split(sizes)):
                     tensor.copy_(piece.view(tensor.shape))
 
-
     @overload
     def reduce(self, tensor: torch.Tensor, root: int = ..., op: str = ..., *, async_op: Literal[False] = ...,
                check: bool = ...) -> torch.Tensor | None: ...
 
-
     @overload
     def reduce(self, tensor: torch.Tensor, root: int = ..., op: str = ..., *, async_op: Literal[True],
                check: bool = ...) -> Handle[torch.Tensor | None]: ...
-
 
     @_when_open
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
                check: bool = True) -> torch.Tensor | None | Handle[torch.Tensor | None]:
         """Reduce ``tensor`` over all ranks onto ``root``. Returns the result on root, ``None`` elsewhere."""
         return self._reduce(tensor, root, op, async_op, check, in_place=False)
-
 
     @_when_open
     def reduce_(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, async_op: bool = False,
@@ -347,32 +323,28 @@ class Collectives:
         elsewhere ``tensor`` is left unspecified and ``None`` is returned. Saves a copy of the tensor."""
         return self._reduce(tensor, root, op, async_op, check, in_place=True)
 
-
     def _reduce(self, tensor: torch.Tensor, root: int, op: str, async_op: bool, check: bool,
                 in_place: bool) -> torch.Tensor | None | Handle[torch.Tensor | None]:
         """Agree on the call, then reduce ``tensor`` itself (``in_place``) or a copy onto ``root``."""
         shared = self._one_host_executor()
         plan, agreement = self._agree_or_fold("reduce", tensor, root * len(REDUCE_OPS) + _op_code(op),
-                                         self._problem(tensor, op=op, root=root), check,
-                                         shared is not None and not tensor.is_cuda,
-                                         lambda: wire.reduction(tensor.dtype, op, "reduce"))
+                                              self._problem(tensor, op=op, root=root), check,
+                                              shared is not None and not tensor.is_cuda,
+                                              lambda: wire.reduction(tensor.dtype, op, "reduce"))
         work = _detached(tensor) if in_place else _copy(tensor)
         finish = self._finisher(plan, work, (tensor if in_place else work) if self._rank() == root else None)
         data = plan.encode(work)
         if shared is not None and not data.is_cuda:  # every rank gets the sum: as cheap as the reduction
             return self._through(shared, data, plan.op, "backend", finish, async_op, name="reduce", agreement=agreement)
-        return self._launch("reduce", lambda: dist.reduce(data, self._global_rank(root), REDUCE_OPS[plan.op], group=self._group(data),
-                                                     async_op=True),
-                       lambda: finish(data), async_op)
-
+        start = lambda: dist.reduce(data, self._global_rank(root), REDUCE_OPS[plan.op],  # noqa: E731
+                                    group=self._group(data), async_op=True)
+        return self._launch("reduce", start, lambda: finish(data), async_op)
 
     @overload
     def allgather(self, tensor: torch.Tensor, *, async_op: Literal[False] = ..., check: bool = ...) -> torch.Tensor: ...
 
-
     @overload
     def allgather(self, tensor: torch.Tensor, *, async_op: Literal[True], check: bool = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def allgather(self, tensor: torch.Tensor, *, async_op: bool = False,
@@ -393,19 +365,16 @@ class Collectives:
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
         finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
-        return self._launch("allgather", lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True),
-                       finish, async_op)
-
+        start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
+        return self._launch("allgather", start, finish, async_op)
 
     @overload
     def reduce_scatter(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
                        check: bool = ...) -> torch.Tensor: ...
 
-
     @overload
     def reduce_scatter(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
                        check: bool = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False,
@@ -432,16 +401,13 @@ class Collectives:
             start = lambda: dist.reduce_scatter(received, list(chunks), reduce_op, group=self._group(data), async_op=True)  # noqa: E731
         return self._launch("reduce_scatter", start, lambda: finish(received), async_op)
 
-
     @overload
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[False] = ...,
                  check: bool = ...) -> torch.Tensor: ...
 
-
     @overload
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[True],
                  check: bool = ...) -> Handle[torch.Tensor]: ...
-
 
     @_when_open
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async_op: bool = False,
@@ -469,14 +435,11 @@ class Collectives:
             output, data, received.tolist(), counts, group=self._group(data), async_op=True),
             lambda: wire.from_bytes(output, tensor.dtype, shape), async_op)
 
-
     @overload
     def barrier(self, *, async_op: Literal[False] = ...) -> None: ...
 
-
     @overload
     def barrier(self, *, async_op: Literal[True]) -> Handle[None]: ...
-
 
     @_when_open
     def barrier(self, *, async_op: bool = False) -> None | Handle[None]:
@@ -486,17 +449,14 @@ class Collectives:
         shared = self._one_host_executor()
         if shared is not None:
             return self._on(shared, "barrier (shared memory)", shared.group.barrier, lambda _: None, async_op)
-        return self._launch("barrier", lambda: dist.barrier(group=self._group(None), async_op=True),
-                       lambda: None, async_op)
-
+        return self._launch("barrier", lambda: dist.barrier(group=self._group(None), async_op=True), lambda: None,
+                            async_op)
 
     @overload
     def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[False] = ...) -> Any: ...
 
-
     @overload
     def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[True]) -> Handle[Any]: ...
-
 
     @_when_open
     def broadcast_object(self, obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
@@ -517,14 +477,11 @@ class Collectives:
         handle = self.broadcast_(payload, root, async_op=True, check=False)
         return chain(handle, _from_bytes, async_op)
 
-
     @overload
     def allgather_object(self, obj: Any, *, async_op: Literal[False] = ...) -> list[Any]: ...
 
-
     @overload
     def allgather_object(self, obj: Any, *, async_op: Literal[True]) -> Handle[list[Any]]: ...
-
 
     @_when_open
     def allgather_object(self, obj: Any, *, async_op: bool = False) -> list[Any] | Handle[list[Any]]:
@@ -542,7 +499,6 @@ class Collectives:
                                      "traceback says why). Every rank raises this error.") from error
         handle = self.allgather(payload, async_op=True, check=False)
         return chain(handle, lambda flat: [_from_bytes(piece) for piece in torch.split(flat, lengths)], async_op)
-
 
     @_when_open
     def join(self) -> int:
@@ -573,7 +529,6 @@ class Collectives:
             zeros = torch.zeros(_shape(row), dtype=_DTYPES[row[_DTYPE]], device=self.device)
             self.allreduce_(zeros, op, check=False, algorithm=algorithm)
 
-
     def _raise_joined(self, rows: list[list[int]], operation: str) -> None:
         joined = [r for r, row in enumerate(rows) if row[_OP] == _JOIN]
         raise CollectiveMismatchError(
@@ -581,13 +536,11 @@ class Collectives:
             f"only in allreduce until every rank has joined. Call {operation} after join() has returned on every rank."
         )
 
-
     def _backend_allreduce(self, data: torch.Tensor, op: str, finish: Callable[[torch.Tensor], T],
                            async_op: bool) -> T | Handle[T]:
         """torch.distributed's own allreduce of ``data`` over its group (of the current scope), then ``finish``."""
-        return self._launch("allreduce", lambda: dist.all_reduce(data, REDUCE_OPS[op], group=self._group(data), async_op=True),
-                       lambda: finish(data), async_op)
-
+        start = lambda: dist.all_reduce(data, REDUCE_OPS[op], group=self._group(data), async_op=True)  # noqa: E731
+        return self._launch("allreduce", start, lambda: finish(data), async_op)
 
     def _route(self, algorithm: str, tensor: torch.Tensor) -> tuple[Any, str]:
         """Who runs an allreduce, and with which algorithm for the part that crosses the network.
@@ -606,7 +559,6 @@ class Collectives:
             algorithm = self.cheapest_algorithm(tensor)
         return (None, algorithm) if algorithm == "backend" else (self.message_executor(), algorithm)
 
-
     def cheapest_algorithm(self, tensor: torch.Tensor) -> str:
         """The algorithm the alpha-beta model predicts fastest for ``tensor``. Measures the link on
         first use: every rank is here."""
@@ -617,12 +569,10 @@ class Collectives:
                 links[id(group)] = cost.measure(group)
         return cost.choose_with_backend(tensor.numel() * tensor.element_size(), self.size, links[id(group)])
 
-
     @_when_open
     def link(self) -> cost.Link | None:
         """The measured link of the CPU group, once ``algorithm="auto"`` needed it (or :meth:`measure_link`)."""
         return self.links.get(id(self._group(None)))
-
 
     @_when_open
     def measure_link(self) -> cost.Link:
@@ -631,7 +581,6 @@ class Collectives:
         with self.translate_errors("measuring the link"):
             self.links[id(group)] = cost.measure(group)
         return self.links[id(group)]
-
 
     def _through(self, executor: OrderedExecutor[Any], data: torch.Tensor, op: str, algorithm: str,
                  finish: Callable[[torch.Tensor], T], async_op: bool, name: str = "allreduce",
@@ -647,7 +596,6 @@ class Collectives:
             work = lambda: executor.group.allreduce_(flat, op, algorithm, agreement)  # noqa: E731
         return self._on(executor, f"{name} ({how})", work, lambda _: finish(data), async_op)
 
-
     def _on(self, executor: OrderedExecutor[Any], name: str, work: Callable[[], S], finish: Callable[[S], T],
             async_op: bool) -> T | Handle[T]:
         """``finish(work())`` with ``work`` run in ``executor``'s order: now, or as a handle."""
@@ -657,7 +605,6 @@ class Collectives:
             return finish(done)
         future = executor.submit(work)
         return Handle(name, FutureWork(future), lambda: finish(future.result()), self.translate_errors)
-
 
     def _broadcast(self, tensor: torch.Tensor, root: int, async_op: bool, check: bool,
                    in_place: bool) -> torch.Tensor | Handle[torch.Tensor]:
@@ -669,9 +616,8 @@ class Collectives:
             finish = lambda: _holding(tensor, data)  # noqa: E731
         else:
             finish = lambda: wire.from_bytes(data, tensor.dtype, tensor.shape)  # noqa: E731
-        return self._launch("broadcast", lambda: dist.broadcast(data, self._global_rank(root), group=self._group(data), async_op=True),
-                       finish, async_op)
-
+        start = lambda: dist.broadcast(data, self._global_rank(root), group=self._group(data), async_op=True)  # noqa: E731
+        return self._launch("broadcast", start, finish, async_op)
 
     def _launch(self, name: str, start: Callable[[], Any], finish: Callable[[], T], async_op: bool) -> T | Handle[T]:
         if self._size() == 1:
@@ -681,13 +627,11 @@ class Collectives:
         handle = Handle(name, work, finish, self.translate_errors)
         return handle if async_op else handle.wait()
 
-
     def _group(self, tensor: torch.Tensor | None) -> dist.ProcessGroup | None:
         scope = _scope.get()
         if scope is not None:
             return scope.device_group if tensor is not None and tensor.is_cuda else scope.cpu_group
         return self.group_for(tensor)
-
 
     def _averaging(self, op: str) -> Callable[[torch.Tensor], torch.Tensor]:
         size = self._size()
@@ -695,11 +639,9 @@ class Collectives:
             return lambda t: t
         return lambda t: t.div_(size)
 
-
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self._size():
             raise ConfigurationError(f"root must be a rank in [0, {self._size()}), got {root}.")
-
 
     def _problem(self, tensor: torch.Tensor, op: str | None = None, algorithm: str | None = None,
                  root: int | None = None) -> int:
@@ -712,7 +654,6 @@ class Collectives:
             return _BAD_ROOT
         return _TOO_MANY_DIMS if tensor.dim() > _MAX_DIMS else 0
 
-
     def _agree(self, operation: str, tensor: torch.Tensor, detail: int, problem: int, check: bool,
                ignore_first_dim: bool = False) -> None:
         """Raise alike on every rank where any rank's arguments are wrong or the ranks' metadata differ.
@@ -723,7 +664,6 @@ class Collectives:
             self._compare(self._gather_records(operation, tensor, detail, problem), operation, ignore_first_dim)
         elif problem:
             raise self._problem_error(operation, problem, [self._rank()])
-
 
     def _agree_or_fold(self, operation: str, tensor: torch.Tensor, detail: int, problem: int, check: bool, folds: bool,
                        plan: Callable[[], wire.Reduction]) -> tuple[wire.Reduction, shm.Agreement | None]:
@@ -742,13 +682,11 @@ class Collectives:
             raise
         return made, (_record_row(operation, tensor, detail, problem), lambda rows: self._judge(rows, operation))
 
-
     def _judge(self, rows: list[list[int]], operation: str) -> bool:
         """A folded check's verdict on every rank's record: raise as :meth:`_agree` does; False where a
         rank has joined (it sent its record alone: the data must go again, with its zeros)."""
         self._compare(rows, operation, ignore_first_dim=False)
         return all(row[_OP] != _JOIN for row in rows)
-
 
     def _gather_records(self, operation: str, tensor: torch.Tensor, detail: int = 0, problem: int = 0) -> list[list[int]]:
         row = _record_row(operation, tensor, detail, problem)
@@ -763,12 +701,10 @@ class Collectives:
             _all_gather_single(rows, torch.tensor(row, dtype=torch.int64), group=self._group(None))
         return rows.view(self._size(), _RECORD_LEN).tolist()
 
-
     def _one_host_executor(self) -> OrderedExecutor[shm.SharedMemoryGroup] | None:
         """The shared-memory executor when every rank of the collective is on this host, else ``None``."""
         shared = self.shared_memory
         return shared if shared is not None and shared.group.cross is None and _scope.get() is None else None
-
 
     def _compare(self, rows: list[list[int]], operation: str, ignore_first_dim: bool, problems_only: bool = False) -> None:
         """Raise, alike on every rank, for the first rank's invalid arguments, else (unless
@@ -790,7 +726,6 @@ class Collectives:
             f"{operation} on rank {self.rank}: ranks called it with different {what}: {described}. "
             "Every rank must call the same collectives in the same order with matching tensors."
         )
-
 
     def _problem_error(self, operation: str, code: int, ranks: list[int]) -> ConfigurationError:
         rule = _PROBLEMS[code].format(ops=sorted(REDUCE_OPS), algorithms=list(ALLREDUCE_ALGORITHMS), size=self._size(),
