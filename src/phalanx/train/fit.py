@@ -36,8 +36,9 @@ LOG_EVERY_STEPS = 10
 logger = logging.getLogger(__name__)
 
 
-def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None, train_data: Any,
-        *, epochs: int, global_batch_size: int, val_data: Any = None, metrics: Sequence[str | Metric] = (),
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        loss_fn: Callable[..., torch.Tensor] | None, train_data: Any, *, epochs: int, global_batch_size: int,
+        val_data: Any = None, metrics: Sequence[str | Metric] = (),
         callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
         reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
@@ -55,12 +56,12 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     and the step around it, in training and validation. A ``step_fn(model, batch, step)`` that takes
     a third argument drives its own backward passes and optimizers (``step.backward(loss)``,
     ``step.step(optimizer)``: a GAN's alternating updates), see :class:`~phalanx.train.steps.ManualStep`.
-    ``train_data`` is a
-    dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are ``(inputs...,
-    targets)``; a ``torch.utils.data.DataLoader`` keeps its dataset and loading settings and gets
-    phalanx's distributed sampler (:mod:`phalanx.data.torch_loaders`). With ``checkpoint_dir`` a checkpoint is written every epoch (and every
-    ``checkpoint_every`` steps), and ``resume=True`` continues from the newest readable one (rank 0
-    says which, and when training was already complete).
+    ``train_data`` is a dataset, tensors, or a :class:`~phalanx.data.DistributedLoader`; batches are
+    ``(inputs..., targets)``; a ``torch.utils.data.DataLoader`` keeps its dataset and loading settings
+    and gets phalanx's distributed sampler (:mod:`phalanx.data.torch_loaders`). With
+    ``checkpoint_dir`` a checkpoint is written every epoch (and every ``checkpoint_every`` steps),
+    and ``resume=True`` continues from the newest readable one (rank 0 says which, and when training
+    was already complete).
     ``reproducible=True`` with ``micro_batch_size=m`` makes the trained weights bitwise identical
     for any number of workers (see :mod:`phalanx.parallel.exact` and docs/reproducibility.md).
     ``accumulate_steps=k`` runs each worker's share of a step in ``k`` forward-backward passes and
@@ -90,12 +91,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     precision = resolve_precision(precision)
     clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
     _check_precision(precision, reproducible)
-    _check_step(loss_fn, step_fn, reproducible)
-    manual = step_fn is not None and takes_step(step_fn)
-    if manual and accumulate_steps > 1:
-        raise ConfigurationError(f"accumulate_steps={accumulate_steps} with a step_fn(model, batch, step) that runs its "
-                                 "own backward passes: phalanx cannot split them; accumulate inside your step, or "
-                                 "use accumulate_steps=1.")
+    manual = _check_step(loss_fn, step_fn, reproducible, accumulate_steps)
     several = isinstance(optimizer, (list, tuple))
     optimizer = OptimizerGroup(optimizer) if several else optimizer
     rates = LearningRates(lr_schedule, optimizer, validates=val_data is not None)
@@ -218,8 +214,9 @@ def _train_elastic(state: TrainState, hooks: Any, loss_fn: Callable, val_loader:
     """
     optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
     objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
-               "loop": LoopPosition(state), **({"val_loader": val_loader} if val_loader is not None else {}),
-               "precision": state.precision, "lr_schedule": state.rates, **({"exact": state.exact} if state.exact is not None else {})}
+               "loop": LoopPosition(state), "precision": state.precision, "lr_schedule": state.rates,
+               **({"val_loader": val_loader} if val_loader is not None else {}),
+               **({"exact": state.exact} if state.exact is not None else {})}
     last = None
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -313,7 +310,10 @@ def _check_accumulation(accumulate_steps: int, reproducible: bool) -> None:
             "is that of one micro-batch: drop accumulate_steps.")
 
 
-def _check_step(loss_fn: Callable | None, step_fn: Callable | None, reproducible: bool) -> None:
+def _check_step(loss_fn: Callable | None, step_fn: Callable | None, reproducible: bool,
+                accumulate_steps: int) -> bool:
+    """Refuse a loss that is given twice or not at all, or a step_fn phalanx cannot run as asked;
+    whether ``step_fn`` drives its own backward passes and optimizers."""
     if (loss_fn is None) == (step_fn is None):
         raise ConfigurationError(
             "px.fit computes each batch's loss with loss_fn(model(*inputs), targets) or with your step_fn(model, "
@@ -321,6 +321,12 @@ def _check_step(loss_fn: Callable | None, step_fn: Callable | None, reproducible
     if step_fn is not None and reproducible:
         raise ConfigurationError("reproducible=True with step_fn: reproducible mode runs the model on its own "
                                  "micro-batches through loss_fn; use loss_fn, or reproducible=False.")
+    manual = step_fn is not None and takes_step(step_fn)
+    if manual and accumulate_steps > 1:
+        raise ConfigurationError(f"accumulate_steps={accumulate_steps} with a step_fn(model, batch, step) that runs its "
+                                 "own backward passes: phalanx cannot split them; accumulate inside your step, or "
+                                 "use accumulate_steps=1.")
+    return manual
 
 
 def _check_precision(precision: str, reproducible: bool) -> None:
