@@ -68,7 +68,7 @@ class Replicated:
         refuse_parameter_servers_launched("px.DataParallel")
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
-        wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
+        wrapped = wrap(model)
         return wrapped, optimizer
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
@@ -76,6 +76,11 @@ class Replicated:
 
     def close(self) -> None:
         """Nothing to tear down."""
+
+
+def wrap(model: nn.Module) -> DataParallel:
+    """``model`` as the loop trains it: a ``px.DataParallel`` on this worker's device (as given if it is one)."""
+    return model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
 
 
 def refuse_parameter_servers_launched(strategy: str) -> None:

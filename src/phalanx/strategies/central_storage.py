@@ -22,7 +22,13 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction, Waitable
-from phalanx.strategies.base import FitOptions, refuse, refuse_parameter_servers_launched, refuse_without_replicas
+from phalanx.strategies.base import (
+    FitOptions,
+    refuse,
+    refuse_parameter_servers_launched,
+    refuse_without_replicas,
+    wrap,
+)
 from phalanx.strategies.held import HeldOptimizer
 
 
@@ -136,7 +142,7 @@ class CentralStorage:
         """Wrap ``model`` and ``optimizer`` for this worker."""
         if self.rank >= runtime.size():
             raise ConfigurationError(f"CentralStorage(rank={self.rank}) but the job has {runtime.size()} worker(s).")
-        wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
+        wrapped = wrap(model)
         wrapped.rebuild_reducer(reduction=ReduceToStorage(self.rank))
         params = list(wrapped.parameters())
         shared = self._share_parameters() and bool(params)

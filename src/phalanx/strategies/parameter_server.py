@@ -18,7 +18,7 @@ from torch import nn
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
-from phalanx.strategies.base import FitOptions, refuse, refuse_without_replicas
+from phalanx.strategies.base import FitOptions, refuse, refuse_without_replicas, wrap
 from phalanx.strategies.client import PushToServers, ServerClient, ServerOptimizer
 from phalanx.strategies.dealer import Dealer
 from phalanx.strategies.placement import groups, place
@@ -77,7 +77,7 @@ class ParameterServer:
             raise ConfigurationError(
                 "px.ParameterServer moves gradients over Gloo channels, which take CPU tensors: train on the CPU "
                 "(px.init(backend='gloo')), or use px.DataParallel / px.CentralStorage on GPUs.")
-        wrapped = model if isinstance(model, DataParallel) else DataParallel(model.to(runtime.device()))
+        wrapped = wrap(model)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         self.client = ServerClient(params)
         wrapped.rebuild_reducer(reduction=PushToServers(self.client))
