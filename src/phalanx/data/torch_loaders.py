@@ -16,7 +16,14 @@ size``); any other value is an error naming both, never silently one of them.
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from phalanx.data.loader import DistributedLoader
 from phalanx.errors import ConfigurationError
@@ -41,7 +48,7 @@ def from_dataloader(loader: DataLoader, global_batch_size: int, *, seed: int = 0
 
 def _shuffles(loader: DataLoader) -> bool:
     """Whether the DataLoader's sampler shuffled; refuse samplers that mean more than that."""
-    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
         raise ConfigurationError(
             f"the DataLoader has a batch_sampler of its own ({type(loader.batch_sampler).__name__}): phalanx forms "
             "the global batches itself (the same on every worker, resumable), so it cannot be kept. Pass a "
