@@ -46,6 +46,7 @@ from phalanx.strategies.central_storage import CentralStorage
 from phalanx.strategies.parameter_server import ParameterServer
 from phalanx.train import callbacks, lr, metrics
 from phalanx.train.fit import evaluate, fit
+from phalanx.train.loop import Loop
 from phalanx.train.lr import scale_lr
 from phalanx.train.state import History
 from phalanx.errors import (
@@ -77,7 +78,7 @@ def diagnose(script: str, args: Sequence[str] = (), workers: int = 2, **options:
     return run(script, args, workers, **options)
 
 __all__ = [
-    "diagnose", "CentralStorage", "Communicator", "communicator", "GenerationClosedError", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "lr",
+    "diagnose", "CentralStorage", "Communicator", "communicator", "GenerationClosedError", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "Loop", "lr",
     "metrics", "scale_lr",
     "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",

@@ -164,7 +164,7 @@ class _StopAfter:
 
 def test_a_resumed_run_says_what_it_resumed_and_when_nothing_was_left_to_train(
         tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="phalanx.train.fit")
+    caplog.set_level(logging.INFO, logger="phalanx.train.loop")
 
     def fit(*callbacks: object) -> list[str]:
         capsys.readouterr()

@@ -12,7 +12,7 @@ the final parameters and runs the epoch-end callbacks (checkpoints included) tog
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,13 +23,13 @@ from phalanx.train.state import TrainState
 from phalanx.train.steps import evaluate_batch, train_step
 
 
-def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, client: ServerClient) -> None:
+def train_async(state: TrainState, hooks: Any, val_loader: Any, client: ServerClient) -> None:
     """Train every remaining epoch on tasks dealt by parameter server 0."""
     if not state.scheduled_lrs:
         state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
     hooks.on_train_begin(state)
     for epoch in range(state.epoch, state.epochs):
-        logs = _epoch(state, hooks, loss_fn, val_loader, client, epoch)
+        logs = _epoch(state, hooks, val_loader, client, epoch)
         state.epoch, state.step = epoch + 1, 0
         state.history.append(epoch, logs)
         hooks.on_epoch_end(epoch, logs, state)
@@ -38,8 +38,7 @@ def train_async(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: An
     hooks.on_train_end(state)
 
 
-def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, client: ServerClient,
-           epoch: int) -> dict[str, float]:
+def _epoch(state: TrainState, hooks: Any, val_loader: Any, client: ServerClient, epoch: int) -> dict[str, float]:
     state.model.train()
     state.epoch, state.step = epoch, 0
     hooks.on_epoch_begin(epoch, state)
@@ -48,13 +47,13 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, cl
     dealing = client.deal(epoch, before_each=elastic.follow)
     for task in dealing:
         if task.training:
-            sums = _train_task(state, hooks, loss_fn, epoch, task)
+            sums = _train_task(state, hooks, epoch, task)
             samples += state.loader.last_local_batch_size
             state.step, state.global_step = task.progress + 1, state.global_step + 1  # the epoch's progress
             hooks.on_step_end(task.step, {**_values(state.metrics, sums),
                                           "samples_per_s": samples / max(time.perf_counter() - started, 1e-9)}, state)
         else:
-            sums = _validate_task(state, loss_fn, val_loader, task)
+            sums = _validate_task(state, val_loader, task)
         dealing.report(sums)
     totals = dealing.totals
     assert totals is not None
@@ -65,23 +64,23 @@ def _epoch(state: TrainState, hooks: Any, loss_fn: Callable, val_loader: Any, cl
     return logs
 
 
-def _train_task(state: TrainState, hooks: Any, loss_fn: Callable, epoch: int, task: Task) -> torch.Tensor:
+def _train_task(state: TrainState, hooks: Any, epoch: int, task: Task) -> torch.Tensor:
     batch = state.loader.batch_at(epoch, task.step, task.share, task.shares)
     state.step = task.step
     state.rates.before_step(state)
     hooks.on_step_begin(task.step, state)
     for metric in state.metrics:
         metric.reset()
-    train_step(state, batch, loss_fn)
+    train_step(state, batch)
     return _sums(state.metrics)
 
 
 @torch.no_grad()
-def _validate_task(state: TrainState, loss_fn: Callable, val_loader: Any, task: Task) -> torch.Tensor:
+def _validate_task(state: TrainState, val_loader: Any, task: Task) -> torch.Tensor:
     metrics = fresh_copies(state.metrics)
     state.model.eval()
-    evaluate_batch(state.model, val_loader.batch_at(0, task.step, task.share, task.shares), loss_fn, state.step_fn,
-                   metrics, state.precision)
+    evaluate_batch(val_loader.batch_at(0, task.step, task.share, task.shares), state.validation_step, metrics,
+                   state.precision)
     state.model.train()
     return _sums(metrics)
 

@@ -64,8 +64,10 @@ class TrainState:
     accumulate_steps: int = 1  # forward and backward passes per step, each over a chunk of the local batch
     precision: Precision = field(default_factory=Precision)  # autocast, the float16 scaler, the step
     clipping: Clipping | None = None  # of the reduced gradients, before the step
-    step_fn: Any = None  # the user's step_fn(model, batch) -> loss | (loss, outputs), else loss_fn's
-    manual_step: bool = False  # step_fn(model, batch, step) drives its own backward and optimizers
+    loss_fn: Any = None  # loss_fn(outputs, targets), or None when the training step computes the loss
+    training_step: Any = None  # batch -> loss | (loss, outputs): the loop's (phalanx.train.steps.BatchStep)
+    validation_step: Any = None  # the same, in validation
+    manual: Any = None  # the ManualStep of a training step that drives its own optimization, else None
     rates: LearningRates = field(default_factory=lambda: LearningRates(None, None, False))  # lr_schedule
     lockstep: bool = True  # workers finish every step together (False: asynchronous parameter servers)
     # The step of this run's newest checkpoint, written or resumed from (None: none yet); the

@@ -1,14 +1,17 @@
 """One training step, one evaluation pass, batches: shared by both loops.
 
-``px.fit``'s loop (:mod:`phalanx.train.fit`) and the asynchronous parameter-server loop
+``px.fit``'s loop (:mod:`phalanx.train.loop`) and the asynchronous parameter-server loop
 (:mod:`phalanx.train.async_loop`) run steps the same way; only how batches reach them differs.
+Both compute a batch's loss with the loop's step (``state.training_step(batch)``, a
+``BatchStep``), whatever it is made of: ``loss_fn``, the user's ``step_fn`` or an overridden
+:meth:`~phalanx.train.loop.Loop.training_step`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Union
 
 import torch
 from torch import nn
@@ -19,33 +22,38 @@ from phalanx.train.metrics import Metric, reduce_metrics
 from phalanx.train.precision import Clipping, Precision
 from phalanx.train.state import TrainState
 
+#: A batch's mean loss, or ``(loss, outputs)`` for metrics beyond the loss: what a step returns.
+StepResult = Union[torch.Tensor, tuple[torch.Tensor, Any]]
+#: The loss of one batch already on this worker's device.
+BatchStep = Callable[[Any], StepResult]
 
-def train_step(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
+
+def train_step(state: TrainState, batch: Any) -> None:
     """One optimizer step on this worker's ``batch``; the state's metrics count its samples.
 
-    The loss of a batch (or chunk) is ``loss_fn(model(*inputs), targets)``, or the user's own
-    ``state.step_fn(model, batch)``; either way phalanx runs it under the precision's autocast,
-    accumulates chunks, reduces, clips and steps around it.
+    The loss of a batch (or chunk) is ``state.training_step(batch)``; phalanx runs it under the
+    precision's autocast, accumulates chunks, reduces, clips and steps around it (unless the step
+    drives its own optimization: ``state.manual``).
     """
     state.optimizer.zero_grad(set_to_none=True)
     batch = to_device(batch)
-    if state.manual_step:
+    if state.manual is not None:
         _own_step(state, batch)
         return
     if state.exact is not None:
         inputs, targets = split_batch(batch)
-        for outputs, micro_targets, loss in state.exact.backward(loss_fn, inputs, targets,
+        for outputs, micro_targets, loss in state.exact.backward(state.loss_fn, inputs, targets,
                                                                  state.loader.last_global_batch_size):
             for metric in state.metrics:
                 metric.update(outputs, micro_targets, loss * len(micro_targets))
     elif samples_in(batch) == 0:
         state.model.reduce_without_data()
     else:
-        _backward_in_chunks(state, batch, loss_fn)
+        _backward_in_chunks(state, batch)
     state.precision.step(state.optimizer, state.clipping)
 
 
-def _backward_in_chunks(state: TrainState, batch: Any, loss_fn: Callable | None) -> None:
+def _backward_in_chunks(state: TrainState, batch: Any) -> None:
     """Forward and backward the batch's samples in ``state.accumulate_steps`` chunks, reducing over
     ranks only in the last: the gradient of the whole batch's mean loss, with one chunk's memory."""
     samples = samples_in(batch)
@@ -55,7 +63,7 @@ def _backward_in_chunks(state: TrainState, batch: Any, loss_fn: Callable | None)
         share = samples_in(part) / samples
         with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
             with state.precision.autocast():
-                loss, outputs, targets = batch_loss(state.model, part, loss_fn, state.step_fn, state.metrics)
+                loss, outputs, targets = checked(state.training_step(part), part, state.metrics)
             state.precision.backward(loss * share if share != 1 else loss)
         with torch.no_grad():
             for metric in state.metrics:
@@ -63,14 +71,15 @@ def _backward_in_chunks(state: TrainState, batch: Any, loss_fn: Callable | None)
 
 
 class ManualStep:
-    """What a ``step_fn(model, batch, step)`` that drives its own backward passes and optimizers is
-    given (a GAN's alternating updates, say). ``backward(loss)`` runs backward (scaled under float16,
-    outside autocast), and the gradient engine averages the gradients over workers as in any step;
-    ``step(optimizer)`` clips that optimizer's gradients and steps it, skipping a float16 overflow
-    on every rank alike. In validation (``training`` false) both do nothing."""
+    """How a step that drives its own backward passes and optimizers runs them (a GAN's alternating
+    updates, say): ``step_fn(model, batch, step)`` is given one, and
+    :meth:`~phalanx.train.loop.Loop.backward`/``optimizer_step`` use the loop's. ``backward(loss)``
+    runs backward (scaled under float16, outside autocast), and the gradient engine averages the
+    gradients over workers as in any step; ``step(optimizer)`` clips that optimizer's gradients and
+    steps it, skipping a float16 overflow on every rank alike. In validation both do nothing."""
 
-    def __init__(self, precision: Precision, clipping: Clipping | None, training: bool):
-        self.precision, self.clipping, self.training = precision, clipping, training
+    def __init__(self, precision: Precision, clipping: Clipping | None):
+        self.precision, self.clipping, self.training = precision, clipping, True
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.training:
@@ -80,30 +89,31 @@ class ManualStep:
         if self.training:
             self.precision.apply(optimizer, self.clipping)
 
+    @contextlib.contextmanager
+    def validating(self) -> Iterator[None]:
+        """Within, ``backward`` and ``step`` do nothing: validation runs the training step as it is."""
+        self.training = False
+        try:
+            yield
+        finally:
+            self.training = True
+
 
 def _own_step(state: TrainState, batch: Any) -> None:
     """A step of the user's that drives its own backward passes and optimizers (see :class:`ManualStep`)."""
     with state.precision.autocast():
-        loss, outputs, targets = _checked(state.step_fn(state.model, batch,
-                                                        ManualStep(state.precision, state.clipping, True)),
-                                          batch, state.metrics)
+        loss, outputs, targets = checked(state.training_step(batch), batch, state.metrics)
     state.precision.update()
     with torch.no_grad():
         for metric in state.metrics:
             metric.update(outputs, targets, loss.detach() * samples_in(batch))
 
 
-def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: Callable | None,
-               metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
-    """``(loss, outputs, targets)`` of one batch already on this device (:func:`to_device`): the
-    user's ``step_fn(model, batch)``, or ``loss_fn(model(*inputs), targets)``."""
-    if step_fn is None:
-        assert loss_fn is not None
-        inputs, targets = split_batch(batch)
-        outputs = model(*inputs)
-        return loss_fn(outputs, targets), _detached(outputs), targets
-    arguments = (ManualStep(Precision(), None, training=False),) if takes_step(step_fn) else ()
-    return _checked(step_fn(model, batch, *arguments), batch, metrics)
+def loss_of(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: Any) -> tuple[torch.Tensor, Any]:
+    """``(loss_fn(model(*inputs), targets), outputs)`` of a batch of ``(inputs..., targets)``."""
+    inputs, targets = split_batch(batch)
+    outputs = model(*inputs)
+    return loss_fn(outputs, targets), outputs
 
 
 def takes_step(step_fn: Callable) -> bool:
@@ -113,19 +123,18 @@ def takes_step(step_fn: Callable) -> bool:
     return len(positional) >= 3
 
 
-def _checked(result: Any, batch: Any, metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
-    """A step_fn's ``loss`` or ``(loss, outputs)``, checked, with the batch's targets."""
+def checked(result: StepResult, batch: Any, metrics: list[Metric]) -> tuple[torch.Tensor, Any, Any]:
+    """A step's ``loss`` or ``(loss, outputs)``, checked, with the batch's targets (its last part)."""
     loss, outputs = result if isinstance(result, tuple) else (result, None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ConfigurationError(
-            f"step_fn must return the batch's mean loss as a scalar tensor, or (loss, outputs); got "
+            f"the training step must return the batch's mean loss as a scalar tensor, or (loss, outputs); got "
             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else f' of shape {list(loss.shape)}'}.")
-    targets = batch[-1] if isinstance(batch, (tuple, list)) and isinstance(batch[-1], torch.Tensor) \
-        else torch.empty(samples_in(batch))
+    targets = batch[-1] if isinstance(batch, (tuple, list)) else torch.empty(samples_in(batch))
     if outputs is None and any(metric.name != "loss" for metric in metrics):
         raise ConfigurationError(
-            f"metrics {[m.name for m in metrics if m.name != 'loss']} need the model's outputs: let step_fn "
-            "return (loss, outputs), with the targets last in the batch.")
+            f"metrics {[m.name for m in metrics if m.name != 'loss']} need the model's outputs: let the training "
+            "step return (loss, outputs), with the targets last in the batch.")
     return loss, _detached(outputs), targets
 
 
@@ -167,29 +176,27 @@ def split_samples(batch: Any, chunks: int, accumulate_steps: int) -> list[Any]:
 
 
 @torch.no_grad()
-def evaluate_batches(model: nn.Module, loss_fn: Callable | None, loader: Any, metrics: list[Metric],
-                     prefix: str, precision: Precision | None = None,
-                     step_fn: Callable | None = None) -> dict[str, float]:
+def evaluate_batches(model: nn.Module, step: BatchStep, loader: Any, metrics: list[Metric], prefix: str,
+                     precision: Precision | None = None) -> dict[str, float]:
     """Global ``metrics`` of ``model`` over every worker's batches of ``loader`` (names get ``prefix``),
-    forward and loss in ``precision`` (as in training), computed as in training (``step_fn``)."""
+    each batch's loss from ``step``, forward and loss in ``precision`` (as in training)."""
     was_training = model.training
     model.eval()
     for metric in metrics:
         metric.reset()
     for batch in loader:
-        evaluate_batch(model, batch, loss_fn, step_fn, metrics, precision)
+        evaluate_batch(batch, step, metrics, precision)
     model.train(was_training)
     return reduce_metrics(metrics, prefix)
 
 
-def evaluate_batch(model: nn.Module, batch: Any, loss_fn: Callable | None, step_fn: Callable | None,
-                   metrics: list[Metric], precision: Precision | None) -> None:
+def evaluate_batch(batch: Any, step: BatchStep, metrics: list[Metric], precision: Precision | None) -> None:
     """Add one batch's loss and outputs on this worker to ``metrics`` (forward and loss in ``precision``)."""
     batch = to_device(batch)
     samples = samples_in(batch)
     if samples:
         with precision.autocast() if precision is not None else contextlib.nullcontext():
-            loss, outputs, targets = batch_loss(model, batch, loss_fn, step_fn, metrics)
+            loss, outputs, targets = checked(step(batch), batch, metrics)
         for metric in metrics:
             metric.update(outputs, targets, loss * samples)
 

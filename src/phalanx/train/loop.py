@@ -1,0 +1,381 @@
+"""The training loop as an object: ``px.fit`` is ``Loop(...).fit(train_data, val_data)``.
+
+Subclass :class:`Loop` to write your own step while phalanx keeps doing everything around it
+(global batches, accumulation, precision, reduction, clipping, schedules, metrics, checkpoints,
+elastic recovery, the strategy)::
+
+    class WithPenalty(px.Loop):
+        def training_step(self, batch):
+            inputs, targets = batch
+            outputs = self.model(inputs)
+            return F.cross_entropy(outputs, targets) + 1e-4 * outputs.pow(2).mean(), outputs
+
+    WithPenalty(model, optimizer, epochs=5, global_batch_size=64).fit(train_data, val_data)
+
+A step that drives its own optimization (several optimizers stepped in turn, a GAN) sets
+``automatic_optimization = False`` and calls :meth:`Loop.backward` and :meth:`Loop.optimizer_step`.
+A loop is also a callback: define any of :mod:`phalanx.train.callbacks`' hooks on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from phalanx import elastic, faults, tune
+from phalanx.comm import collectives, runtime
+from phalanx.data import DistributedLoader, from_dataloader
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.exact import ExactGradients
+from phalanx.sharding import mix_seed
+from phalanx.strategies.base import FitOptions, Replicated, Strategy
+from phalanx.strategies.client import ServerOptimizer
+from phalanx.strategies.parameter_server import ParameterServer
+from phalanx.train import callbacks as cb, checkpoint, options
+from phalanx.train.async_loop import train_async
+from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
+from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
+from phalanx.train.optimizers import OptimizerGroup
+from phalanx.train.precision import Clipping, Precision, resolve as resolve_precision
+from phalanx.train.state import History, LoopPosition, TrainState
+from phalanx.train.steps import (ManualStep, StepResult, evaluate_batches, loss_of, takes_step,
+                                 train_step)
+
+LOG_EVERY_STEPS = 10
+
+logger = logging.getLogger(__name__)
+
+
+class Loop:
+    """``px.fit``'s loop; its arguments are ``px.fit``'s (see :func:`phalanx.train.fit.fit`).
+
+    Override :meth:`training_step` (and :meth:`validation_step` when validation differs) for a
+    step of your own. During :meth:`fit`, ``self.model`` is the model as trained (a
+    ``px.DataParallel``), ``self.optimizer`` the optimizer (a group of them when given a list)
+    and ``self.state`` the loop's position (:class:`~phalanx.train.state.TrainState`).
+    """
+
+    #: False: the training step runs its own backward passes and optimizer steps, through
+    #: :meth:`backward` and :meth:`optimizer_step` (as Lightning's manual optimization).
+    automatic_optimization: bool = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *, epochs: int, global_batch_size: int,
+                 metrics: Sequence[str | Metric] = (), callbacks: Sequence[Any] = (), seed: int = 0,
+                 lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
+                 checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
+                 reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
+                 precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
+                 step_fn: Callable[..., StepResult] | None = None, verbose: int = 1,
+                 log_dir: str | Path | None = None, strategy: Strategy | None = None):
+        self.model, self.loss_fn, self.step_fn = model, loss_fn, step_fn
+        self.several_optimizers = isinstance(optimizer, (list, tuple))
+        self.optimizer = OptimizerGroup(optimizer) if self.several_optimizers else optimizer
+        if step_fn is not None and takes_step(step_fn):
+            self.automatic_optimization = False
+        self.epochs, self.global_batch_size, self.seed = epochs, global_batch_size, seed
+        self.metrics, self.callbacks, self.lr_schedule = resolve(metrics), list(callbacks), lr_schedule
+        self.checkpoint_dir, self.checkpoint_every, self.resume = checkpoint_dir, checkpoint_every, resume
+        self.reproducible, self.accumulate_steps = reproducible, accumulate_steps
+        self.micro_batch_size = options.micro_batch_size_for(reproducible, micro_batch_size)
+        self.precision = resolve_precision(precision)
+        self.clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
+        self.verbose, self.log_dir = verbose, log_dir
+        self.strategy = strategy if strategy is not None else Replicated()
+        self.state: TrainState | None = None
+        self._manual = ManualStep(Precision(), None)
+        self._check()
+
+    def training_step(self, batch: Any) -> StepResult:
+        """The mean loss of ``batch`` (on this worker's device), or ``(loss, outputs)`` for metrics
+        beyond the loss; the targets are the batch's last part. Runs under the precision's autocast.
+        By default ``loss_fn(model(*inputs), targets)``, or ``step_fn(model, batch)``."""
+        if self.step_fn is None:
+            assert self.loss_fn is not None
+            return loss_of(self.model, self.loss_fn, batch)
+        return self.step_fn(self.model, batch, *(() if self.automatic_optimization else (self._manual,)))
+
+    def validation_step(self, batch: Any) -> StepResult:
+        """The loss (or ``(loss, outputs)``) of a validation batch: by default the training step's,
+        with :meth:`backward` and :meth:`optimizer_step` doing nothing."""
+        with self._manual.validating():
+            return self.training_step(batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` in a training step of your own optimization (scaled under float16);
+        the gradients are averaged over workers as in any step."""
+        self._refuse_automatic("backward")
+        self._manual.backward(loss)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip ``optimizer``'s gradients and step it (a float16 overflow skipped on every rank alike)."""
+        self._refuse_automatic("optimizer_step")
+        self._manual.step(optimizer)
+
+    def fit(self, train_data: Any, val_data: Any = None) -> History:
+        """Train over ``train_data`` for ``epochs`` epochs on every worker of the job; the per-epoch
+        :class:`History` of global metrics, the same on every rank."""
+        runtime.init()
+        faults.point("fit.setup")
+        rates = LearningRates(self.lr_schedule, self.optimizer, validates=val_data is not None)
+        self.strategy.check(self._fit_options(rates))
+        options.check_one_meaning(self.model, train_data, self.global_batch_size, self.accumulate_steps)
+        options.check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.callbacks)
+        loader = loader_for(train_data, self.global_batch_size, self.seed, shuffle=True,
+                         micro_batch_size=self.micro_batch_size)
+        val_loader = (None if val_data is None
+                      else loader_for(val_data, self.global_batch_size, self.seed, shuffle=False))
+        options.check_not_empty(loader, "train_data")
+        if val_loader is not None:
+            options.check_not_empty(val_loader, "val_data")
+        if runtime.role() == "server":
+            return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics))
+        self.state = self._start(loader, rates)
+        self._train_with(val_loader)
+        return self.state.history
+
+    def _check(self) -> None:
+        overridden = type(self).training_step is not Loop.training_step
+        options.check_step(self.loss_fn, self.step_fn, overridden, not self.automatic_optimization,
+                           self.reproducible, self.accumulate_steps)
+        options.check_accumulation(self.accumulate_steps, self.reproducible)
+        options.check_precision(self.precision, self.reproducible)
+
+    def _refuse_automatic(self, method: str) -> None:
+        if self.automatic_optimization:
+            raise ConfigurationError(
+                f"Loop.{method} is for a training step that drives its own optimization, but phalanx runs "
+                f"backward and the optimizer step itself: set automatic_optimization = False on your Loop.")
+
+    def _fit_options(self, rates: LearningRates) -> FitOptions:
+        return FitOptions(self.precision, self.clipping is not None, self.reproducible,
+                          None if self.checkpoint_dir is None else str(self.checkpoint_dir), self.checkpoint_every,
+                          self.several_optimizers, rates.torch_scheduler is not None, elastic.enabled(),
+                          not self.automatic_optimization)
+
+    def _start(self, loader: DistributedLoader, rates: LearningRates) -> TrainState:
+        """Set the strategy up and the loop's state with it."""
+        torch.manual_seed(mix_seed(self.seed, runtime.rank()))
+        self.model, self.optimizer = self.strategy.setup(self.model, self.optimizer)
+        precision = Precision(self.precision, runtime.device())
+        self._manual = ManualStep(precision, self.clipping)
+        micro = self.micro_batch_size
+        return TrainState(self.model, self.optimizer, loader, self.epochs, seed=self.seed, metrics=self.metrics,
+                          exact=ExactGradients(self.model, micro, self.seed) if micro else None,
+                          accumulate_steps=self.accumulate_steps, precision=precision, clipping=self.clipping,
+                          rates=rates, loss_fn=self.loss_fn, training_step=self.training_step,
+                          validation_step=self.validation_step,
+                          manual=None if self.automatic_optimization else self._manual)
+
+    def _train_with(self, val_loader: DistributedLoader | None) -> None:
+        """Train under the strategy; a worker that fails drops its connections instead of saying
+        goodbye, so that parameter servers count it as lost rather than finished."""
+        state = self.state
+        assert state is not None
+        hooks = cb.CallbackList([self, *_callbacks(self.callbacks, self.verbose, self.global_batch_size,
+                                                   self.checkpoint_dir, self.checkpoint_every, self.log_dir)])
+        prepare = functools.partial(_prepare, state, self.checkpoint_dir if self.resume else None, self.verbose)
+        state.lockstep = not self.strategy.asynchronous
+        try:
+            if state.lockstep:
+                _train(state, hooks, val_loader, self.checkpoint_dir, prepare)
+            else:
+                prepare()
+                train_async(state, hooks, val_loader, self.strategy.client)
+        except BaseException:
+            self.strategy.close()
+            raise
+        self.strategy.finish(state.history.state_dict())
+
+
+def _serve(strategy: Strategy, model: nn.Module, optimizer: Any, loader: DistributedLoader,
+           val_loader: DistributedLoader | None, num_metrics: int) -> History:
+    """A parameter server's ``fit``: serve its shard until the workers are done; their history."""
+    if not isinstance(strategy, ParameterServer):
+        raise ConfigurationError(
+            "this process is a parameter server (phalanx run --servers), so px.fit needs "
+            "strategy=px.ParameterServer(...); without one, launch without --servers.")
+    shares = runtime.size()
+    history = strategy.serve(model, optimizer, train_tasks=len(loader) * shares,
+                             val_tasks=len(val_loader) * shares if val_loader is not None else 0,
+                             metric_values=2 * num_metrics)
+    return History.from_state_dict(history) if history is not None else History()
+
+
+def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int) -> None:
+    """Continue from the newest readable checkpoint in ``checkpoint_dir``, if any (collective), and
+    note the learning rates the schedule starts from."""
+    if checkpoint_dir is not None:
+        faults.point("fit.resume")
+        resumed_from = checkpoint.restore(state, checkpoint_dir)
+        if resumed_from is not None:
+            _report_resume(state, resumed_from, checkpoint_dir, verbose)
+    if not state.scheduled_lrs:
+        state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
+
+
+def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, verbose: int) -> None:
+    """Rank 0 says which checkpoint the run continues from, and when it leaves nothing to train.
+
+    The epoch is the one (counted from 1) of the last step the checkpoint holds; the step is the
+    global step, as in the file's name. Logged at INFO, and printed too when ``verbose``.
+    """
+    if not runtime.is_master():
+        return
+    epoch = state.epoch + 1 if state.step else state.epoch
+    lines = [f"resumed from {path} (epoch {epoch}, step {state.global_step})"]
+    if state.epoch >= state.epochs:
+        done = (f"{state.epoch} of {state.epochs} epochs" if state.epoch == state.epochs
+                else f"{state.epoch} epochs, more than epochs={state.epochs}")
+        lines.append(f"training was already complete ({done}); nothing to do — delete {checkpoint_dir} "
+                     "or pass resume=False to train again")
+    for line in lines:
+        logger.info(line)
+        if verbose:
+            print(line, flush=True)
+
+
+def _train(state: TrainState, hooks: Any, val_loader: Any, checkpoint_dir: str | Path | None,
+           prepare: Callable[[], None]) -> None:
+    """Every worker in lockstep, elastic or not."""
+    if elastic.enabled():
+        _train_elastic(state, hooks, val_loader, checkpoint_dir, prepare)
+    else:
+        prepare()
+        hooks.on_train_begin(state)
+        _train_epochs(state, hooks, val_loader, commit=lambda: None)
+    faults.point("train.end")
+    hooks.on_train_end(state)
+
+
+def _train_elastic(state: TrainState, hooks: Any, val_loader: Any, checkpoint_dir: str | Path | None,
+                   prepare: Callable[[], None]) -> None:
+    """The same loop, committed after every step: a lost worker costs at most the step in flight.
+
+    Everything collective happens inside the elastic protection: the replicas are made equal by the
+    State's first sync, and the resume from a checkpoint is the first commit (``prepared``), so a
+    worker lost at any moment after ``px.init()`` is survived like one lost mid-epoch.
+    """
+    optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
+    objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
+               "loop": LoopPosition(state), "precision": state.precision, "lr_schedule": state.rates,
+               **({"val_loader": val_loader} if val_loader is not None else {}),
+               **({"exact": state.exact} if state.exact is not None else {})}
+    last = None
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        last = Path(checkpoint_dir) / checkpoint.ELASTIC_LAST
+    carried = elastic.State(checkpoint_path=last, prepared=False, **objects)
+    begun = False
+
+    def train(carried: elastic.State) -> None:
+        nonlocal begun
+        if not carried.prepared:
+            prepare()
+            carried.prepared = True
+            carried.commit()
+        if not begun:  # once per process: callbacks are this worker's own objects
+            hooks.on_train_begin(state)
+            begun = True
+        _train_epochs(state, hooks, val_loader, carried.commit)
+        # Members leave together: one lost after its peers' last commit makes them re-form, so that
+        # every survivor returns in the same group (one of them rank 0) rather than in a broken one.
+        collectives.barrier()
+
+    elastic.run(train)(carried)
+
+
+def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callable[[], None]) -> None:
+    for epoch in range(state.epoch, state.epochs):
+        logs = _train_epoch(state, hooks, epoch, commit)
+        if logs is None:  # stopped mid-epoch: the position stays resumable
+            return
+        if val_loader is not None:
+            faults.point("validation")
+            logs.update(evaluate_batches(state.model, state.validation_step, val_loader,
+                                         fresh_copies(state.metrics), "val_", state.precision))
+        state.history.append(epoch, logs)
+        state.rates.after_epoch(state, logs)
+        hooks.on_epoch_end(epoch, logs, state)
+        faults.point("epoch.end")
+        commit()
+        if state.stop_training:
+            return
+
+
+def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[], None]) -> dict[str, float] | None:
+    """Run what is left of ``epoch``; its global metrics, or ``None`` when a callback stopped it midway."""
+    state.model.train()
+    if state.epoch != epoch:
+        state.epoch, state.step = epoch, 0
+    if state.step == 0:  # a run resumed mid-epoch keeps the sums restored from its checkpoint
+        for metric in state.metrics:
+            metric.reset()
+    hooks.on_epoch_begin(epoch, state)
+    if state.step < state.steps_per_epoch:  # an elastic recovery can land after the last batch
+        state.loader.set_epoch(epoch)
+        if not _train_steps(state, hooks, commit):
+            return None
+    state.epoch, state.step = epoch + 1, 0
+    return reduce_metrics(state.metrics)
+
+
+def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None]) -> bool:
+    """The epoch's remaining steps; False when a callback asked to stop before its end."""
+    logs: dict[str, float] = {}
+    started, samples = time.perf_counter(), 0
+    for batch in state.loader:
+        state.rates.before_step(state)
+        hooks.on_step_begin(state.step, state)
+        faults.point("step.forward")
+        train_step(state, batch)
+        state.rates.after_step(state)
+        faults.point("step.end")
+        state.step, state.global_step = state.step + 1, state.global_step + 1
+        samples += state.loader.last_global_batch_size
+        if state.step % LOG_EVERY_STEPS == 0 or not logs:
+            logs = reduce_metrics(state.metrics)
+        logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
+        hooks.on_step_end(state.step - 1, logs, state)
+        commit()
+        if state.stop_training and state.step < state.steps_per_epoch:
+            return False
+    return True
+
+
+def loader_for(data: Any, global_batch_size: int, seed: int, shuffle: bool,
+            micro_batch_size: int | None = None) -> DistributedLoader:
+    """``data`` as a :class:`DistributedLoader` (a DataLoader keeps its settings and gets phalanx's sampler)."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        return from_dataloader(data, global_batch_size, seed=seed, micro_batch_size=micro_batch_size)
+    if not isinstance(data, DistributedLoader):
+        return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed, micro_batch_size=micro_batch_size)
+    if micro_batch_size is not None and data.granularity != micro_batch_size:
+        raise ConfigurationError(
+            f"reproducible mode with micro_batch_size={micro_batch_size} needs a DistributedLoader built with "
+            f"micro_batch_size={micro_batch_size}."
+        )
+    return data
+
+
+def _callbacks(user: Sequence[Any], verbose: int, global_batch_size: int, checkpoint_dir: str | Path | None,
+               checkpoint_every: int | None, log_dir: str | Path | None) -> list:
+    chosen: list[Any] = list(user)
+    if verbose:
+        chosen.append(cb.ProgressBar(global_batch_size))
+    if tune.active():
+        chosen.append(cb.TuneReport())
+    log_dir = log_dir or checkpoint_dir
+    if log_dir is not None:
+        chosen.append(cb.CSVLogger(Path(log_dir) / "metrics.csv"))
+        if cb.TensorBoard.available():
+            chosen.append(cb.TensorBoard(Path(log_dir) / "tensorboard"))
+    if checkpoint_dir is not None and not any(isinstance(c, cb.Checkpoint) for c in user):
+        chosen.append(cb.Checkpoint(checkpoint_dir, every_steps=checkpoint_every))
+    return chosen
