@@ -2,7 +2,8 @@
 
 MODE is ``dp`` (px.DataParallel), ``sync``/``async`` (px.ParameterServer) or ``cs``
 (px.CentralStorage). ``--loop custom`` trains 30 steps of an MLP with Adam by hand (the
-documented custom-loop API); ``--loop fit`` uses px.fit. Rank 0 saves the state dict to OUT.
+documented custom-loop API); ``--loop fit`` uses px.fit (with ``--clip-norm``, ``--clip-value`` and ``--step-lr``, its clipping
+and a torch scheduler). Rank 0 saves the state dict to OUT.
 """
 
 import argparse
@@ -27,6 +28,9 @@ parser.add_argument("--verbose", type=int, default=0)
 parser.add_argument("--accumulate-steps", type=int, default=1)
 parser.add_argument("--kill-rank-at-step", type=int, nargs=2, default=None, metavar=("RANK", "STEP"))
 parser.add_argument("--kill-server-after", type=float, default=None)
+parser.add_argument("--clip-norm", type=float, default=None)
+parser.add_argument("--clip-value", type=float, default=None)
+parser.add_argument("--step-lr", type=int, default=None, help="a torch StepLR scheduler of this step_size")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -56,7 +60,10 @@ class KillAtStep(px.callbacks.Callback):
 if args.loop == "fit":
     history = px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=args.epochs, global_batch_size=32,
                      strategy=strategy, verbose=args.verbose, metrics=["accuracy"], checkpoint_dir=args.checkpoint_dir,
-                     callbacks=[KillAtStep()], accumulate_steps=args.accumulate_steps)
+                     callbacks=[KillAtStep()], accumulate_steps=args.accumulate_steps, clip_grad_norm=args.clip_norm,
+                     clip_grad_value=args.clip_value,
+                     lr_schedule=None if args.step_lr is None else torch.optim.lr_scheduler.StepLR(
+                         optimizer, step_size=args.step_lr, gamma=0.5))
     print(f"{px.role()} history {history.state_dict()}", flush=True)
 elif px.role() == "server":
     strategy.serve(model, optimizer)

@@ -83,6 +83,20 @@ def test_fit_accumulating_through_servers_trains_like_whole_batches(tmp_path: Pa
     assert_close(got, reference(tmp_path, 2, "--loop", "fit"))
 
 
+CLIPPED = ("--loop", "fit", "--clip-norm", "0.05", "--clip-value", "0.02")
+
+
+def test_sync_servers_clip_the_gradient_they_apply_and_follow_a_torch_scheduler(tmp_path: Path) -> None:
+    """Clipped by norm (over both servers' shards, summed through the store) and by value, with a
+    torch StepLR: DataParallel's weights, which clip the averaged gradient (test_precision.py checks
+    those against torch; test_shard.py the shards' arithmetic, asynchronous servers' too)."""
+    clipped = (*CLIPPED, "--step-lr", "4")
+    got = trained(tmp_path, "ps-clipped", ["-n", "2", "--servers", "2"], "sync", *clipped)
+    assert_close(got, reference(tmp_path, 2, *clipped))
+    unclipped = reference(tmp_path, 2, "--loop", "fit")
+    assert any(not torch.allclose(got[key], unclipped[key], atol=1e-4) for key in got)  # the clipping bit
+
+
 def test_central_storage_trains_like_data_parallel_with_state_on_one_rank(tmp_path: Path) -> None:
     out = tmp_path / "cs.pt"
     done = launch(tmp_path, ["-n", "3"], "cs", str(out))

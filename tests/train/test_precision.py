@@ -139,7 +139,6 @@ def test_pairs_that_cannot_keep_their_promise_are_refused_naming_both() -> None:
     px.init()
     model = _model()
     cases = (({"precision": "bf16-mixed", "reproducible": True, "micro_batch_size": 2}, "reproducible=True with"),
-             ({"clip_grad_norm": 1.0, "strategy": px.ParameterServer()}, r"ParameterServer\(mode='sync'\) with gradient clipping"),
              ({"precision": "16-mixed", "strategy": px.ParameterServer()}, r"ParameterServer\(mode='sync'\) with precision='16-mixed'"),
              ({"precision": "fp8"}, "precision must be one of"), ({"clip_grad_norm": -1.0}, "positive number"))
     for options, message in cases:

@@ -18,6 +18,7 @@ from torch import nn
 
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 
 
@@ -26,7 +27,7 @@ class FitOptions:
     """The options of one ``px.fit`` call that a strategy may have to refuse."""
 
     precision: str = "32"
-    clipping: bool = False
+    clipping: Clipping | None = None
     reproducible: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None

@@ -17,6 +17,7 @@ from torch import nn
 
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.strategies.base import FitOptions, refuse, refuse_without_replicas, wrap
 from phalanx.strategies.client import PushToServers, ServerClient, ServerOptimizer
@@ -54,15 +55,22 @@ class ParameterServer:
     # --- worker side ------------------------------------------------------------------------
 
     def check(self, options: FitOptions) -> None:
-        """Refuse what the servers cannot do, naming the pair: they average and apply the gradients,
-        where the workers' scaler and clipping do not reach."""
+        """Refuse what the servers cannot do, naming the pair. They clip the gradient they apply (each
+        its shard: synchronous servers sum their squared norms, asynchronous ones cannot meet)."""
         name = f"px.ParameterServer(mode={self.mode!r})"
-        why = ("the gradients are averaged and applied on the servers, where the workers' scaler and clipping do "
-               "not reach; use px.DataParallel or px.CentralStorage, or precision='bf16-mixed' without clipping.")
         if options.precision == "16-mixed":
-            refuse(name, "precision='16-mixed' (its scaled gradients)", why)
-        if options.clipping:
-            refuse(name, "gradient clipping", why)
+            refuse(name, "precision='16-mixed' (its scaled gradients)", "the gradients are averaged and applied on "
+                   "the servers, where the workers' scaler does not reach; use precision='bf16-mixed', or "
+                   "px.DataParallel / px.CentralStorage.")
+        norm = options.clipping is not None and options.clipping.max_norm is not None
+        if norm and runtime.num_servers() > 1 and self.asynchronous:
+            refuse(name, f"clip_grad_norm and {runtime.num_servers()} servers", "each server applies each push as it "
+                   "arrives, so no server sees the norm of the whole gradient; use one server, clip_grad_value, "
+                   "or mode='sync'.")
+        if norm and runtime.num_servers() > 1 and options.elastic:
+            refuse(name, f"clip_grad_norm, {runtime.num_servers()} servers and an elastic job", "a step the "
+                   "re-formed group redoes would mix the servers' norms of two attempts; use one server, "
+                   "clip_grad_value, or a fixed number of workers.")
         refuse_without_replicas(name, "on the servers", options)
         if self.asynchronous and options.checkpoint_every is not None:
             refuse(name, "checkpoint_every", "asynchronous parameter servers checkpoint at epoch ends (mid-epoch, "
@@ -97,15 +105,16 @@ class ParameterServer:
     # --- server side ------------------------------------------------------------------------
 
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, train_tasks: int = 0,
-              val_tasks: int = 0, metric_values: int = 0) -> Any:
+              val_tasks: int = 0, metric_values: int = 0, clipping: Clipping | None = None) -> Any:
         """Serve this process's shard until the workers are done; returns worker 0's history.
 
         ``train_tasks``/``val_tasks`` per epoch and ``metric_values`` matter in async mode on
-        server 0, which deals the tasks and sums the metrics.
+        server 0, which deals the tasks and sums the metrics; ``clipping`` clips each applied gradient.
         """
         server = runtime.server_rank()
         params = [p for p in model.parameters() if p.requires_grad]
         shard = Shard(params, optimizer, groups(params, place(params, runtime.num_servers()), server))
         dealer = (Dealer(train_tasks, val_tasks, metric_values, self.max_staleness)
                   if self.asynchronous and server == 0 else None)
-        return Server(shard, server, self.mode, runtime.size(), runtime.timeout(), dealer).serve()
+        return Server(shard, server, self.mode, runtime.size(), runtime.timeout(), dealer, clipping,
+                      runtime.num_servers()).serve()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from phalanx.comm import runtime
 from phalanx.comm.channel import Channel, ChannelClosed, Listener
 from phalanx.errors import CollectiveTimeoutError
+from phalanx.parallel.clipping import Clipping
 from phalanx.strategies import protocol as wire
 from phalanx.strategies.dealer import Dealer
 from phalanx.strategies.protocol import Kind, Request, Status
@@ -36,9 +38,12 @@ class Server:
     """Serves ``shard`` to the job's workers until they are done."""
 
     def __init__(self, shard: Shard, server: int, mode: str, workers: int, timeout_s: float,
-                 dealer: Dealer | None = None):
+                 dealer: Dealer | None = None, clipping: Clipping | None = None, servers: int = 1):
         self.shard = shard
         self.server = server
+        self.clipping = clipping
+        self.servers = servers
+        self._store: Any = None  # this server's own connection to the store, for the clipping norm
         self.mode = mode
         self.workers = workers
         self.timeout_s = timeout_s
@@ -162,7 +167,7 @@ class Server:
               world: int, rates: list[float]) -> None:
         if self.mode == "async":
             with self.cond:
-                self.shard.apply(buffers, rates)
+                self.shard.apply(buffers, rates, self.clipping)
                 self.version += 1
             self._reply_parameters(channel, Status.OK)
             return
@@ -213,11 +218,34 @@ class Server:
         for worker in order[1:]:
             for summed, buffer in zip(total, self._pending[worker]):
                 summed.add_(buffer)
-        self.shard.apply(total, self._pending_rates)
+        several = self.servers > 1 and self.clipping is not None and self.clipping.max_norm is not None
+        self.shard.apply(total, self._pending_rates, self.clipping, self._sum_over_servers if several else None)
         self._pending.clear()
         self.step += 1
         self.version += 1
         self.cond.notify_all()
+
+    def _sum_over_servers(self, value: float) -> float:
+        """``value`` summed over every server at this step, in server order (so the same sum on each),
+        through the rendezvous store: the servers share no group. Called under the lock."""
+        if self._store is None:
+            store = runtime.store()
+            self._store = store.clone() if hasattr(store, "clone") else store
+
+        def key(server: int, step: int) -> str:
+            return f"phalanx/ps/squared-norm/{step}/{server}"
+        self._store.set(key(self.server, self.step), repr(value))
+        keys = [key(server, self.step) for server in range(self.servers)]
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            raise CollectiveTimeoutError(
+                f"parameter server {self.server}: step {self.step}'s gradient norm lacks another server's part "
+                f"after {self.timeout_s:.0f}s (clip_grad_norm sums it over the servers): {error}") from error
+        total = sum(float(self._store.get(k)) for k in keys)
+        if self.step:  # every server read the previous step's parts before any worker could push this step
+            self._store.delete_key(key(self.server, self.step - 1))
+        return total
 
     def _seek(self, step: int) -> None:
         """Sync: a worker restored the state of ``step``; go back to it if this server is one step ahead."""

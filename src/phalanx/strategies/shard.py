@@ -9,10 +9,11 @@ count); dividing by the count gives the global-batch average.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from phalanx.parallel.clipping import Clipping
 from phalanx.strategies.placement import Group
 
 
@@ -41,8 +42,10 @@ class Shard:
         """Receive buffers for one push: per group its gradients, flags and sample count."""
         return [torch.zeros(group.numel + len(group.params) + 1, dtype=group.dtype) for group in self.groups]
 
-    def apply(self, pushed: Sequence[torch.Tensor], rates: Sequence[float]) -> None:
-        """One optimizer step with the summed pushes (gradients divided by their summed count)."""
+    def apply(self, pushed: Sequence[torch.Tensor], rates: Sequence[float], clipping: Clipping | None = None,
+              sum_over_shards: Callable[[float], float] | None = None) -> None:
+        """One optimizer step with the summed pushes (gradients divided by their summed count), clipped
+        first when asked (``sum_over_shards`` makes the norm the whole gradient's, see :class:`Clipping`)."""
         for group, buffer in zip(self.groups, pushed):
             numel, total = group.numel, float(buffer[-1])
             gradients = buffer[:numel].div_(total) if total else buffer[:numel].zero_()
@@ -52,6 +55,8 @@ class Shard:
                 param = self.params[index]
                 param.grad = gradients[offset:offset + size].view_as(param) if flag > 0 else None
                 offset += size
+        if clipping is not None:
+            clipping.clip_parameters(self.params.values(), sum_over_shards)
         for param_group, rate in zip(self.optimizer.param_groups, rates):
             param_group["lr"] = rate
         self.optimizer.step()

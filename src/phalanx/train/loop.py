@@ -32,6 +32,7 @@ from phalanx import elastic, faults, tune
 from phalanx.comm import collectives, runtime
 from phalanx.data import DistributedLoader, from_dataloader
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.exact import ExactGradients
 from phalanx.sharding import mix_seed
 from phalanx.strategies.base import FitOptions, Replicated, Strategy
@@ -42,7 +43,7 @@ from phalanx.train.async_loop import train_async
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
 from phalanx.train.optimizers import OptimizerGroup
-from phalanx.train.precision import Clipping, Precision, resolve as resolve_precision
+from phalanx.train.precision import Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
 from phalanx.train.steps import (ManualStep, StepResult, evaluate_batches, loss_of, takes_step,
                                  train_step)
@@ -135,7 +136,8 @@ class Loop:
         if val_loader is not None:
             options.check_not_empty(val_loader, "val_data")
         if runtime.role() == "server":
-            return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics))
+            return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics),
+                          self.clipping)
         self.state = self._start(loader, rates)
         self._train_with(val_loader)
         return self.state.history
@@ -154,7 +156,7 @@ class Loop:
                 f"backward and the optimizer step itself: set automatic_optimization = False on your Loop.")
 
     def _fit_options(self, rates: LearningRates) -> FitOptions:
-        return FitOptions(self.precision, self.clipping is not None, self.reproducible,
+        return FitOptions(self.precision, self.clipping, self.reproducible,
                           None if self.checkpoint_dir is None else str(self.checkpoint_dir), self.checkpoint_every,
                           self.several_optimizers, rates.torch_scheduler is not None, elastic.enabled(),
                           not self.automatic_optimization)
@@ -195,7 +197,7 @@ class Loop:
 
 
 def _serve(strategy: Strategy, model: nn.Module, optimizer: Any, loader: DistributedLoader,
-           val_loader: DistributedLoader | None, num_metrics: int) -> History:
+           val_loader: DistributedLoader | None, num_metrics: int, clipping: Clipping | None) -> History:
     """A parameter server's ``fit``: serve its shard until the workers are done; their history."""
     if not isinstance(strategy, ParameterServer):
         raise ConfigurationError(
@@ -204,7 +206,7 @@ def _serve(strategy: Strategy, model: nn.Module, optimizer: Any, loader: Distrib
     shares = runtime.size()
     history = strategy.serve(model, optimizer, train_tasks=len(loader) * shares,
                              val_tasks=len(val_loader) * shares if val_loader is not None else 0,
-                             metric_values=2 * num_metrics)
+                             metric_values=2 * num_metrics, clipping=clipping)
     return History.from_state_dict(history) if history is not None else History()
 
 

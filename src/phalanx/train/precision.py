@@ -25,6 +25,7 @@ import torch
 
 from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.clipping import Clipping
 
 logger = logging.getLogger(__name__)
 
@@ -114,26 +115,3 @@ class Precision:
                                      f"uses {self.name!r}: resume with the same precision.")
         if self.scaler is not None and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-
-
-class Clipping:
-    """Clip the gradients about to be applied: their total norm to ``max_norm`` and/or each entry
-    to ``[-max_value, max_value]``."""
-
-    def __init__(self, max_norm: float | None = None, max_value: float | None = None):
-        for name, value in (("clip_grad_norm", max_norm), ("clip_grad_value", max_value)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ConfigurationError(f"{name} must be a positive number, got {value!r}.")
-        self.max_norm, self.max_value = max_norm, max_value
-        self.last_norm: float | None = None  # the norm before clipping, of the last step
-
-    @classmethod
-    def from_options(cls, max_norm: float | None, max_value: float | None) -> Clipping | None:
-        return None if max_norm is None and max_value is None else cls(max_norm, max_value)
-
-    def clip(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if self.max_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self.max_value)
-        if self.max_norm is not None:
-            self.last_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_norm))

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from phalanx.train.lr import LearningRates
-from phalanx.train.precision import Clipping, Precision
+from phalanx.parallel.clipping import Clipping
+from phalanx.train.precision import Precision
 
 
 class History:

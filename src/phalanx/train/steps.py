@@ -19,7 +19,8 @@ from torch import nn
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.train.metrics import Metric, reduce_metrics
-from phalanx.train.precision import Clipping, Precision
+from phalanx.parallel.clipping import Clipping
+from phalanx.train.precision import Precision
 from phalanx.train.state import TrainState
 
 #: A batch's mean loss, or ``(loss, outputs)`` for metrics beyond the loss: what a step returns.
