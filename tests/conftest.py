@@ -1,13 +1,50 @@
-"""Shared fixtures: every test starts and ends outside any phalanx job; two hosts on one machine."""
+"""Shared fixtures: every test starts and ends outside any phalanx job; two hosts on one machine.
 
+The suite is a CPU suite wherever it runs: GPUs are hidden from this process and every process it
+starts (before anything asks CUDA), so a GPU machine runs the same tests as CI. Tests marked
+``cuda`` (tests/test_cuda.py) start their jobs with the GPUs visible again, and skip without one.
+"""
+
+import functools
 import os
 import shutil
 import subprocess
+import sys
 
-import pytest
-import torch
+VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")  # as the user set it, for the cuda tests
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import phalanx as px
+import pytest  # noqa: E402  (after hiding the GPUs)
+import torch  # noqa: E402
+
+import phalanx as px  # noqa: E402
+
+
+def gpu_environment(base: dict[str, str]) -> dict[str, str]:
+    """``base`` with the GPUs visible as they were before the suite hid them."""
+    env = dict(base)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if VISIBLE_GPUS is not None:
+        env["CUDA_VISIBLE_DEVICES"] = VISIBLE_GPUS
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """The GPUs a fresh process sees (this one hid them), asked once (not at all without a driver)."""
+    if not os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is None:
+        return 0
+    asked = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           env=gpu_environment(dict(os.environ)), capture_output=True, text=True, timeout=120)
+    return int(asked.stdout.strip() or 0) if asked.returncode == 0 else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``cuda`` tests where no GPU is visible; the others run the same everywhere."""
+    cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda and gpu_count() == 0:
+        for item in cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.device_count() is 0 here"))
 
 
 @pytest.fixture(autouse=True)

@@ -84,7 +84,8 @@ def test_phalanx_launch_variables_are_read_once_into_the_launch_info_under_any_e
 
 @pytest.mark.parametrize("variables, named", [({"PHALANX_TIMEOUT": "soon"}, "'soon' is not a number of seconds"),
                                               ({"PHALANX_TIMEOUT": "-1"}, "must be positive seconds"),
-                                              ({"PHALANX_ELASTIC": "1", "PHALANX_MEMBER_ID": "x"}, "not a member id")])
+                                              ({"PHALANX_ELASTIC": "1", "PHALANX_MEMBER_ID": "x"}, "not a member id"),
+                                              ({"PHALANX_DEVICE": "tpu"}, "'tpu' is not a device")])
 def test_a_bad_phalanx_launch_variable_is_named(variables: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigurationError, match=named):
         detect(variables)
@@ -93,7 +94,8 @@ def test_a_bad_phalanx_launch_variable_is_named(variables: dict[str, str], named
 def test_nothing_but_the_environment_module_reads_a_launch_variable() -> None:
     package = Path(phalanx.__file__).parent
     names = ("TIMEOUT_ENV", "JOB_ENV", "ELASTIC_ENV", "MEMBER_ENV", "PHALANX_TIMEOUT", "PHALANX_JOB_ID",
-             "PHALANX_ELASTIC", "PHALANX_MEMBER_ID", "PHALANX_RANK", "MASTER_ADDR", "WORLD_SIZE", '"RANK"')
+             "PHALANX_ELASTIC", "PHALANX_MEMBER_ID", "PHALANX_RANK", "MASTER_ADDR", "WORLD_SIZE", '"RANK"',
+             "DEVICE_ENV", "PHALANX_DEVICE")
     reading = re.compile(r"environ(\.get\(|\[)[^\n]*(" + "|".join(names) + ")")
     readers = {path.relative_to(package).as_posix() for path in package.rglob("*.py")
                if "cli" not in path.parts and reading.search(path.read_text())}

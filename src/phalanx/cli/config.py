@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Mapping
 
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, interface_towards, is_loopback
-from phalanx.comm.environment import ELASTIC_ENV, JOB_ENV, TIMEOUT_ENV
+from phalanx.comm.devices import check_gpus, visible_gpus
+from phalanx.comm.environment import DEVICE_ENV, ELASTIC_ENV, JOB_ENV, TIMEOUT_ENV
 from phalanx.errors import ConfigurationError
 
 WORKER_MAIN = str(Path(__file__).with_name("worker_main.py"))
@@ -89,6 +90,7 @@ class LaunchConfig:
     heartbeat_timeout_s: float | None = None
     servers_per_node: int = 0
     hostname: str | None = None  # this host's name in -H/--hostfile (HOROVOD_HOSTNAME)
+    device: str = "auto"  # --device: "cuda", "cpu" or "auto" (GPUs when visible), see phalanx.comm.devices
 
     @property
     def num_servers(self) -> int:
@@ -136,6 +138,7 @@ class LaunchConfig:
         self._validate_counts()
         self._validate_network()
         self._validate_target()
+        self._validate_devices()
 
     def command(self) -> tuple[str, ...]:
         """The command every worker runs: this Python interpreter on the script or module.
@@ -192,6 +195,8 @@ class LaunchConfig:
         variables.update(self._common_variables(master_port))
         if self.elastic:
             variables[ELASTIC_ENV] = "1"
+        if self.device != "auto":
+            variables[DEVICE_ENV] = self.device
         return variables
 
     def _common_variables(self, master_port: int) -> dict[str, str]:
@@ -260,6 +265,17 @@ class LaunchConfig:
             raise ConfigurationError(f"--grace must be 0 or more seconds, got {self.grace_s:g}.")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ConfigurationError(f"--timeout must be a positive number of seconds, got {self.timeout_s:g}.")
+
+    def _validate_devices(self) -> None:
+        """On GPUs (``--device cuda``, or auto where this host has some), a GPU per worker."""
+        if self.device == "cpu":
+            return
+        gpus = visible_gpus()
+        if self.device == "cuda" and gpus == 0:
+            raise ConfigurationError("--device cuda, but no GPU usable with NCCL is visible on this host; drop "
+                                     "--device cuda (or pass --device cpu) to train on the CPU.")
+        if gpus:
+            check_gpus(self.nproc_per_node, gpus, f"-n {self.nproc_per_node}")
 
     def _validate_network(self) -> None:
         if not 0 <= self.master_port <= 65535:

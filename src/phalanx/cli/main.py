@@ -27,6 +27,7 @@ from phalanx.cli.config import (
 )
 from phalanx.cli.elastic import ElasticSupervisor
 from phalanx.cli.launcher import Supervisor
+from phalanx.comm.devices import DEVICES
 from phalanx.errors import ConfigurationError
 from phalanx.host import ensure_open_files, oversubscription, usable_cores
 
@@ -299,6 +300,7 @@ def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) 
         heartbeat_timeout_s=namespace.heartbeat_timeout,
         servers_per_node=namespace.servers,
         hostname=hostname,
+        device=namespace.device,
     )
 
 
@@ -418,6 +420,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> RunFlags:
     option("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
            help=f"after a failure, how long workers get between SIGTERM and SIGKILL (default {DEFAULT_GRACE_S:g})")
     option("--no-prefix", action="store_true", help="do not prefix output lines with the worker's [rank]")
+    option("--device", default="auto", choices=DEVICES,
+           help="what the workers train on: cuda (NCCL, a GPU per worker: more workers than GPUs is refused), "
+                "cpu (Gloo, even where GPUs are) or auto (default: GPUs when visible)")
     run.add_argument("target", nargs="?", metavar="script.py | module", help="the script, or with -m the module")
     run.add_argument("args", nargs="*", metavar="args", help="arguments passed to the script unchanged")
     return RunFlags(dests, frozenset(value_options))

@@ -22,6 +22,7 @@ TIMEOUT_ENV = "PHALANX_TIMEOUT"  # seconds bounding the rendezvous and every col
 JOB_ENV = "PHALANX_JOB_ID"  # the launcher's: names this job's shared-memory segments
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "1": an elastic launch, whose coordinator admits members
 MEMBER_ENV = "PHALANX_MEMBER_ID"  # this worker's id among an elastic job's members
+DEVICE_ENV = "PHALANX_DEVICE"  # "cuda" or "cpu": the launcher's --device (absent: auto)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class LaunchInfo:
     timeout_s: float | None = None  # $PHALANX_TIMEOUT; None: px.init's argument or the default
     job_id: str = ""  # the launcher's job id; empty: the workers agree on one through the store
     elastic_member: int | None = None  # this worker's member id in an elastic launch, else None
+    device: str = "auto"  # $PHALANX_DEVICE: "cuda" or "cpu" when the launch chose (phalanx.comm.devices)
 
 
 class Environment:
@@ -238,8 +240,11 @@ def phalanx_variables(env: Mapping[str, str]) -> dict[str, Any]:
     member = env.get(MEMBER_ENV) if env.get(ELASTIC_ENV) == "1" else None
     if member is not None and not member.isdigit():
         raise ConfigurationError(f"${MEMBER_ENV}={member!r} is not a member id; launch with `phalanx run`.")
+    device = env.get(DEVICE_ENV) or "auto"
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigurationError(f"${DEVICE_ENV}={device!r} is not a device: use 'cuda' or 'cpu'.")
     return {"timeout_s": timeout_s, "job_id": env.get(JOB_ENV, ""),
-            "elastic_member": int(member) if member is not None else None}
+            "elastic_member": int(member) if member is not None else None, "device": device}
 
 
 def _validate(info: LaunchInfo) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import faults
-from phalanx.comm import cost, formation, shm
+from phalanx.comm import cost, devices, formation, shm
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.membership import (
@@ -67,7 +67,7 @@ def init(backend: str | None = None, timeout: float | None = None, transport: st
         return
     info = detect()
     timeout_s = _resolve_timeout(timeout, info)
-    backend = _resolve_backend(backend)
+    backend = devices.resolve_backend(backend, info.device)
     if transport not in TRANSPORTS:
         raise ConfigurationError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}.")
     _current = _first_communicator(info, timeout_s, backend, transport)
@@ -292,22 +292,13 @@ def _resolve_timeout(timeout: float | None, info: LaunchInfo) -> float:
     return float(timeout)
 
 
-def _resolve_backend(backend: str | None) -> str:
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigurationError("backend='nccl' needs CUDA, which is not available here; use backend='gloo'.")
-    return backend
-
-
 def _select_device(backend: str, info: LaunchInfo) -> torch.device:
-    if backend != "nccl":
-        return torch.device("cpu")
-    index = info.local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    """This worker's device (see :mod:`phalanx.comm.devices`), made CUDA's current one."""
+    device = devices.device_for(backend, info.local_rank, info.local_world_size, devices.visible_gpus(),
+                                f"{info.source} launch")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 # --------------------------------------------------------------------------------------------

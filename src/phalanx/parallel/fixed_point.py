@@ -106,13 +106,13 @@ class FixedPointBucket(Bucket):
         bucket.exact_dtype = members[0].dtype == compute
         bucket.streamed = [n >= STREAM_MIN_NUMEL for n in lengths]
         bucket.small_runs = _runs_of_small_tensors(lengths, bucket.streamed)
-        bucket.local_max = torch.zeros(len(members), dtype=torch.float64)
+        bucket.local_max = torch.zeros(len(members), dtype=torch.float64, device=scaled.device)
         bucket.allocate_sums(0)
         return bucket
 
     def set_exponents(self, exponents: list[int]) -> None:
         self.scales = [2.0**e for e in exponents]
-        self.scale_tensor = torch.tensor(self.scales, dtype=torch.float64)
+        self.scale_tensor = torch.tensor(self.scales, dtype=torch.float64, device=self.scaled.device)
 
     def allocate_sums(self, payload_numel: int) -> None:
         """A fresh, zeroed buffer for the sums, the trailer and ``payload_numel`` values of payload."""
@@ -170,8 +170,9 @@ class FixedPointSum:
         return list(self._buckets)
 
     def set_exponents(self, exponents: torch.Tensor) -> None:
-        """Use these per-tensor exponents (a checkpoint's, or recalibrated ones) from the next pass."""
-        self.exponents = exponents.to(torch.int64).clone()
+        """Use these per-tensor exponents (a checkpoint's, or recalibrated ones) from the next pass.
+        They are kept on the CPU, whatever the parameters' device (checkpoints load anywhere)."""
+        self.exponents = exponents.to("cpu", torch.int64, copy=True)
         for bucket in self._buckets:
             bucket.set_exponents(self.exponents[bucket.param_indices].tolist())
 
@@ -221,11 +222,11 @@ class FixedPointSum:
 
         Raises :class:`NonFiniteGradientError` on every rank if a gradient held NaN or Inf.
         """
-        local = torch.zeros(len(self.params), dtype=torch.float64)
+        local = torch.zeros(len(self.params), dtype=torch.float64, device=self._buckets[0].local_max.device)
         for bucket in self._buckets:
             local[bucket.param_indices] = bucket.local_max
         local = torch.nan_to_num(local, nan=math.inf)  # a MAX allreduce may drop a NaN, never an Inf
-        global_max = collectives.allreduce_(local, "max", check=False)
+        global_max = collectives.allreduce_(local, "max", check=False).cpu()
         if not bool(torch.isfinite(global_max).all()):
             raise NonFiniteGradientError(
                 f"rank {runtime.rank()}: a micro-batch gradient holds NaN or Inf in reproducible mode; every "
@@ -306,7 +307,7 @@ class FixedPointSum:
 
     def _held_in(self, bucket: FixedPointBucket) -> bool:
         _, nonzero, big, over = bucket.trailer
-        at_top = self.exponents[bucket.param_indices] == MAX_EXPONENT
+        at_top = (self.exponents[bucket.param_indices] == MAX_EXPONENT).to(over.device)
         return bool(((over == 0) & ((big > 0) | (nonzero == 0) | at_top)).all())
 
     def _write_trailer(self, bucket: FixedPointBucket) -> None:
@@ -317,7 +318,7 @@ class FixedPointSum:
         """
         terms = bucket.local_max.mul(bucket.scale_tensor)
         limit = 2.0**self._limit_bits
-        checks = torch.stack([torch.tensor(bucket.used, dtype=torch.float64), terms > 0,
+        checks = torch.stack([torch.tensor(bucket.used, dtype=torch.float64, device=terms.device), terms > 0,
                               terms >= limit / 2**SLACK_BITS, ~(terms <= limit)])  # NaN counts as over
         bucket.trailer.copy_(checks)
 

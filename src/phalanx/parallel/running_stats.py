@@ -77,11 +77,12 @@ class RunningStatsFolding:
             ran = ~torch.isnan(rows[:, self._offsets[:-1]])  # micro-batch x layer
             counts = torch.stack([l.num_batches_tracked for l in self.layers]).double()
             fixed = torch.tensor([math.nan if l.momentum is None else l.momentum for l in self.layers],
-                                 dtype=torch.float64)
+                                 dtype=torch.float64, device=state.device)
+            widths = self._widths.to(state.device)
             for row, ran_row in zip(rows, ran):
                 counts += ran_row
                 momentum = torch.where(torch.isnan(fixed), 1.0 / counts.clamp_min(1), fixed)
-                momentum = momentum.repeat_interleave(self._widths)
+                momentum = momentum.repeat_interleave(widths)
                 folded = state * (1 - momentum) + row * momentum
                 state = torch.where(torch.isnan(row), state, folded)
             self._write_back(state, ran.sum(dim=0))

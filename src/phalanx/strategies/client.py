@@ -60,17 +60,19 @@ class ServerClient:
     # --- one step ---------------------------------------------------------------------------
 
     def push(self, bucket: Bucket) -> Waitable:
-        """Send one complete bucket (a server's group) to its server; the header goes with the first."""
+        """Send one complete bucket (a server's group) to its server; the header goes with the first.
+        A GPU worker's bucket travels through host memory: the channels carry CPU tensors."""
         group = self.by_params[tuple(bucket.param_indices)]
         server = group.server
+        payload = bucket.flat.cpu()
         try:
             if server not in self._pushed:
                 self._send_header(server, Kind.PUSH, self.rates())
                 self._pushed.add(server)
-            works = self.channels[server].isend([bucket.flat], wire.GROUP_TAG + group.index)
+            works = self.channels[server].isend([payload], wire.GROUP_TAG + group.index)
         except ChannelClosed as error:
             raise self._server_failed(server, "push a gradient to", error) from error
-        return _Sends(self, server, works)
+        return _Sends(self, server, works, payload)
 
     def finish_step(self) -> None:
         """Receive every server's reply to this step's pushes and take the new parameters."""
@@ -180,7 +182,7 @@ class ServerClient:
             channel.close()
 
     def _send_parameters(self, server: int, kind: Kind, states: Any = None) -> None:
-        flats = [torch.cat([self.params[i].detach().reshape(-1) for i in group.params])
+        flats = [torch.cat([self.params[i].detach().reshape(-1) for i in group.params]).cpu()
                  for group in self.server_groups(server)]
         self._send_header(server, kind, [])
         try:
@@ -287,10 +289,11 @@ class Dealing:
 
 
 class _Sends:
-    """The pushes of one bucket; waiting means they were handed to the network."""
+    """The pushes of one bucket; waiting means they were handed to the network (``payload``, the
+    tensor sent, lives until then)."""
 
-    def __init__(self, client: ServerClient, server: int, works: list[Any]):
-        self.client, self.server, self.works = client, server, works
+    def __init__(self, client: ServerClient, server: int, works: list[Any], payload: torch.Tensor):
+        self.client, self.server, self.works, self.payload = client, server, works, payload
 
     def wait(self) -> None:
         try:

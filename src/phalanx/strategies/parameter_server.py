@@ -80,11 +80,8 @@ class ParameterServer:
                    "optimizer step; give lr_schedule a function of the epoch (px.lr.cosine(...)).")
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ServerOptimizer]:
-        """Connect to the servers, hand them the initial parameters, and wrap model and optimizer."""
-        if runtime.device().type != "cpu":
-            raise ConfigurationError(
-                "px.ParameterServer moves gradients over Gloo channels, which take CPU tensors: train on the CPU "
-                "(px.init(backend='gloo')), or use px.DataParallel / px.CentralStorage on GPUs.")
+        """Connect to the servers, hand them the initial parameters, and wrap model and optimizer.
+        Workers may train on GPUs: their pushes and the replies cross host memory (the servers' CPU)."""
         wrapped = wrap(model)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         self.client = ServerClient(params)

@@ -353,11 +353,13 @@ def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None]) -> b
 
 def loader_for(data: Any, global_batch_size: int, seed: int, shuffle: bool,
             micro_batch_size: int | None = None) -> DistributedLoader:
-    """``data`` as a :class:`DistributedLoader` (a DataLoader keeps its settings and gets phalanx's sampler)."""
+    """``data`` as a :class:`DistributedLoader` (a DataLoader keeps its settings and gets phalanx's
+    sampler); batches for a GPU are pinned, so that their copy to it runs asynchronously."""
     if isinstance(data, torch.utils.data.DataLoader):
         return from_dataloader(data, global_batch_size, seed=seed, micro_batch_size=micro_batch_size)
     if not isinstance(data, DistributedLoader):
-        return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed, micro_batch_size=micro_batch_size)
+        return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed, micro_batch_size=micro_batch_size,
+                                 pin_memory=runtime.device().type == "cuda")
     if micro_batch_size is not None and data.granularity != micro_batch_size:
         raise ConfigurationError(
             f"reproducible mode with micro_batch_size={micro_batch_size} needs a DistributedLoader built with "
