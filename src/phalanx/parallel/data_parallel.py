@@ -8,11 +8,12 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from phalanx import profile
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
-from phalanx.parallel import batchnorm, reductions, replicate
+from phalanx.parallel import batchnorm, compiled, reductions, replicate
 from phalanx.parallel.autotune import FusionTuner
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.accumulation import Accumulation
@@ -69,6 +70,7 @@ class DataParallel(nn.Module):
         resolved.algorithm = algorithm
         self._reduction = profile.wrap(resolved)
         self._check_finite = check_finite
+        self._graph_breaks: list[RemovableHandle] = []  # torch.compile's, where buckets begin
         self.reducer = self._make_reducer(threshold)
 
     def _replicate(self) -> None:
@@ -85,9 +87,13 @@ class DataParallel(nn.Module):
     def _build_reducer(self, summation: Summation, threshold_mb: float, previous: GradientReducer | None = None,
                        follows_forward: bool = True) -> GradientReducer:
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in named], [name for name, _ in named], threshold_mb, summation,
-                               self._check_finite, on_step_end=self.tuner, previous=previous,
-                               follows_forward=follows_forward)
+        reducer = GradientReducer([p for _, p in named], [name for name, _ in named], threshold_mb, summation,
+                                  self._check_finite, on_step_end=self.tuner, previous=previous,
+                                  follows_forward=follows_forward)
+        for handle in self._graph_breaks:
+            handle.remove()
+        self._graph_breaks = compiled.break_at_buckets(self.module, [p for _, p in named], reducer.bucket_params)
+        return reducer
 
     @property
     def accumulate_steps(self) -> int:
@@ -144,6 +150,12 @@ class DataParallel(nn.Module):
         self._replicate_pending = False  # the state synchronised with the group is loaded next
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(args, kwargs)
+        return self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _before_forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The step's bookkeeping (and its collectives), run eagerly under ``torch.compile`` too."""
         if self._replicate_pending and self.training and torch.is_grad_enabled():
             self._replicate()
         local_samples = _batch_size(args, kwargs)
@@ -153,7 +165,6 @@ class DataParallel(nn.Module):
         if self.reducer is not None and self.reducer.follows_forward and self.training and torch.is_grad_enabled():
             self.reducer.expect_backward(local_samples, self._next_phase())
         profile.mark("forward" if self.training else "eval_forward", samples=local_samples)
-        return self.module(*args, **kwargs)
 
     def _next_phase(self) -> Phase:
         return Phase.REDUCE if self.accumulation.next_backward() else Phase.IDLE

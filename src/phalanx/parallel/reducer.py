@@ -264,6 +264,11 @@ class GradientReducer:
                 self._slot_of[index] = (bucket, slot)
 
     @property
+    def bucket_params(self) -> list[list[int]]:
+        """The parameter indices of each bucket, in launch order."""
+        return [list(bucket.param_indices) for bucket in self._buckets]
+
+    @property
     def bucket_sizes(self) -> list[int]:
         """Number of gradient elements in each bucket, in launch order."""
         return [bucket.gradient_numel for bucket in self._buckets]
