@@ -36,4 +36,5 @@ def break_at_buckets(module: nn.Module, params: Sequence[nn.Parameter],
     owner = {id(param): child for child in module.modules() for param in child.parameters(recurse=False)}
     firsts = sorted({min(bucket) for bucket in buckets if bucket} - {0})
     starts = {id(owner[id(params[index])]): owner[id(params[index])] for index in firsts}
-    return [child.register_forward_pre_hook(_break_before) for child in starts.values()]
+    return [child.register_forward_pre_hook(_break_before) for child in starts.values()
+            if not isinstance(child, torch.jit.ScriptModule)]  # TorchScript takes no hooks (nor compiles)
