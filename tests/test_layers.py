@@ -7,6 +7,8 @@ docs/architecture.md for the picture this encodes.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,10 @@ def test_the_parameter_server_wire_protocol_stays_in_strategies() -> None:
     readers = sorted(name for name, path in MODULES.items()
                      if part_of(name) != "strategies" and "phalanx.strategies.protocol" in imports_of(path))
     assert not readers, f"modules outside strategies/ reading the wire protocol: {readers}"
+
+
+def test_importing_phalanx_leaves_dynamo_unloaded() -> None:
+    """torch._dynamo costs a second of start-up in every worker: loaded only by a script that compiles."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, phalanx; print('torch._dynamo' in sys.modules)"],
+                            capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr

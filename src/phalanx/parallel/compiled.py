@@ -12,21 +12,37 @@ In eager mode the hooks do nothing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+T = TypeVar("T")
 
-@torch.compiler.disable
-def _graph_break() -> None:
-    """Nothing; Dynamo does not trace into it, so a compiled forward ends its graph here."""
+
+def eager(function: Callable[..., T]) -> Callable[..., T]:
+    """``function``, run eagerly even where a compiled region calls it (Dynamo does not trace it).
+
+    ``torch.compiler.disable`` is applied at the call, and only while compiling: applying it at
+    import would import Dynamo, a second of start-up for every process that never compiles.
+    """
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> T:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(function)(*args, **kwargs)
+        return function(*args, **kwargs)
+    return call
+
+
+def _nothing() -> None:
+    """Called outside the graph, it ends the compiled graph here."""
 
 
 def _break_before(module: nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():
-        _graph_break()
+        torch.compiler.disable(_nothing)()
 
 
 def break_at_buckets(module: nn.Module, params: Sequence[nn.Parameter],

@@ -153,7 +153,7 @@ class DataParallel(nn.Module):
         self._before_forward(args, kwargs)
         return self.module(*args, **kwargs)
 
-    @torch.compiler.disable
+    @compiled.eager
     def _before_forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """The step's bookkeeping (and its collectives), run eagerly under ``torch.compile`` too."""
         if self._replicate_pending and self.training and torch.is_grad_enabled():
