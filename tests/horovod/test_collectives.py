@@ -120,7 +120,7 @@ def _process_sets(hvd, evens, r: int, n: int) -> dict:
     out["static_id"] = evens.process_set_id
     if evens.included():
         out["evens_sum"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=evens)
-        out["evens_bcast"] = hvd.broadcast(torch.tensor([r]), root_rank=evens.size() - 1, process_set=evens)
+        out["evens_bcast"] = hvd.broadcast(torch.tensor([r]), root_rank=evens.ranks[-1], process_set=evens)  # global
         out["evens_gather"] = hvd.allgather(torch.tensor([r]), process_set=evens)
         x = torch.ones(2, requires_grad=True)
         (hvd.allreduce(x, op=hvd.Sum, process_set=evens) * (r + 1)).sum().backward()
@@ -228,9 +228,9 @@ def _check_autograd(grads: dict, r: int, n: int) -> None:
     torch.testing.assert_close(grads["broadcast"], torch.full((3,), weights / n if r == 1 else 0.0))
     # alltoall: each row's gradient comes back from the rank it was sent to.
     torch.testing.assert_close(grads["alltoall"], torch.tensor([float(k + 1) for k in range(n) for _ in range(2)]))
-    # reducescatter(Average): the gathered shares' gradients, divided by the size.
+    # reducescatter(Average): the gathered shares' gradients (Horovod counts each once; Sum, size times).
     torch.testing.assert_close(grads["reducescatter"], torch.tensor(
-        [float(k + 1) / n for k in range(n) for _ in range(2)]).reshape(-1, 1).expand(-1, 2))
+        [float(k + 1) for k in range(n) for _ in range(2)]).reshape(-1, 1).expand(-1, 2))
     for grad in grads["grouped_allreduce"]:
         torch.testing.assert_close(grad, torch.full_like(grad, weights / n))
 

@@ -76,6 +76,7 @@ from phalanx.horovod.torch.mpi_ops import (
     join,
     poll,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from phalanx.horovod.torch.optimizer import DistributedOptimizer
@@ -94,6 +95,7 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
-    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline",
     "stop_timeline", "synchronize",
 ]

@@ -107,10 +107,32 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return _Allgather.apply(tensor, name, process_set)
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        """Each input's rows of the gradient averaged over the set, as ``allgather``'s backward."""
+        averaged = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, Average, 1.0, 1.0,
+                                                       ctx.process_set))
+        offsets = _rows_before_each(ctx.rows, ctx.process_set)
+        return (None, None, *(g.narrow(0, offset, rows) for g, offset, rows in zip(averaged, offsets, ctx.rows)))
+
+
+def _rows_before_each(rows: list[int], process_set: ProcessSet) -> list[int]:
+    """For each tensor of a grouped allgather, the rows the ranks before this one contributed."""
+    counts = synchronize(allgather_async(torch.tensor([rows], dtype=torch.int64), None, process_set))
+    return counts[:position(process_set)].sum(dim=0).tolist()
+
+
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather each tensor of a list (not differentiable as a group: use ``allgather`` per tensor for that)."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather each tensor of a list as one operation; differentiable."""
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -123,7 +145,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         averaged = synchronize(allreduce_async(grad.contiguous(), None, None, Average, 1.0, 1.0, ctx.process_set))
-        if position(ctx.process_set) != ctx.root_rank:
+        if basics.rank() != ctx.root_rank:
             averaged.zero_()
         return averaged, None, None, None
 
@@ -168,9 +190,7 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         op, process_set, scale = ctx.args
         gathered = synchronize(allgather_async(grad.contiguous(), None, process_set))
-        if op == Average:
-            scale /= set_size(process_set)
-        return gathered.mul_(scale) if scale != 1.0 else gathered, None, None, None, None, None
+        return _scatter_gradient(gathered, op, process_set, scale), None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = NoneCompressor,
@@ -182,12 +202,35 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
     return compression.decompress(share, context)
 
 
+def _scatter_gradient(gathered: torch.Tensor, op: int, process_set: ProcessSet, scale: float) -> torch.Tensor:
+    """A reduce-scatter's input gradient from the allgathered output gradients, as Horovod defines it:
+    with ``Sum`` every rank's share counts ``size`` times, with ``Average`` once; then the
+    forward's pre- and postscale."""
+    if op == Sum:
+        scale *= set_size(process_set)
+    return gathered.mul_(scale) if scale != 1.0 else gathered
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, process_set, prescale * postscale)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale,
+                                                             postscale)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        op, process_set, scale = ctx.args
+        gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], None, process_set))
+        return (None, None, None, None, None, *(_scatter_gradient(g, op, process_set, scale) for g in gathered))
+
+
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: type[Compressor] = NoneCompressor, op: int = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reduce-scatter each tensor of a list (not differentiable as a group)."""
+    """Reduce-scatter each tensor of a list as one operation; differentiable."""
     compressed, contexts = zip(*[compression.compress(t) for t in tensors])
-    shares = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set, prescale_factor,
-                                                     postscale_factor))
+    shares = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *compressed)
     return [compression.decompress(s, c) for s, c in zip(shares, contexts)]

@@ -10,7 +10,8 @@ from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import basics
 from phalanx.horovod.torch.exceptions import horovod_errors
-from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, position, scope_of
+from phalanx.horovod.torch.optimizer import DistributedOptimizer
+from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, root_position, scope_of
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,
@@ -26,38 +27,44 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         item if isinstance(item, tuple) else (str(index), item) for index, item in enumerate(params)]
     tensors = [tensor for _, tensor in items if isinstance(tensor, torch.Tensor)]
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in items if isinstance(t, torch.Tensor)]
+    root = root_position(process_set, root_rank)
     with horovod_errors(), collectives.within(scope_of(process_set)):
         everyone = collectives.allgather_object(layout)
-        differing = [r for r, other in enumerate(everyone) if other != everyone[root_rank]]
+        differing = [r for r, other in enumerate(everyone) if other != everyone[root]]
         if differing:
             raise ConfigurationError(
                 f"broadcast_parameters on rank {basics.rank()}: rank(s) {differing} hold tensors whose names, shapes "
-                f"or dtypes differ from root {root_rank}'s ({len(everyone[root_rank])} tensors). Build the same "
+                f"or dtypes differ from root {root_rank}'s ({len(everyone[root])} tensors). Build the same "
                 "model on every rank before broadcasting it."
             )
-        collectives.broadcast_tensors_(tensors, root_rank)
+        collectives.broadcast_tensors_(tensors, root)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters (``state_dict``).
 
-    State the other ranks have not created yet (before their first step) is created by loading it.
+    An optimizer that has no state yet (before its first step) gets it as Horovod makes it: every
+    trainable parameter without a gradient gets a zero one, and the wrapped torch optimizer takes
+    one local step, on every rank alike; then root's state replaces it.
     """
     basics.require_init()
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer)
+    root = root_position(process_set, root_rank)
     with horovod_errors(), collectives.within(scope_of(process_set)):
-        state = collectives.broadcast_object(optimizer.state_dict() if position(process_set) == root_rank else None,
-                                             root_rank)
-    if position(process_set) != root_rank:
+        state = collectives.broadcast_object(optimizer.state_dict() if basics.rank() == root_rank else None, root)
+    if basics.rank() != root_rank:
         optimizer.load_state_dict(state)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Return ``root_rank``'s picklable object on every rank of the set."""
+    """Return global rank ``root_rank``'s picklable object on every rank of the set."""
     basics.require_init()
+    root = root_position(process_set, root_rank)
     with horovod_errors(), collectives.within(scope_of(process_set)):
-        return collectives.broadcast_object(obj, root_rank)
+        return collectives.broadcast_object(obj, root)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
@@ -65,3 +72,13 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     basics.require_init()
     with horovod_errors(), collectives.within(scope_of(process_set)):
         return collectives.allgather_object(obj)
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero gradients where there are none, and one step of the torch optimizer (not the
+    distributed one, whose step would wait for the other ranks' gradients)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+    (optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer).step()

@@ -19,7 +19,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import basics, timeline
 from phalanx.horovod.torch.basics import Average, Sum
 from phalanx.horovod.torch.exceptions import horovod_errors
-from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, scope_of, set_size
+from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, root_position, scope_of, set_size
 
 
 class _All:
@@ -101,16 +101,37 @@ def synchronize(handle: int) -> Any:
 # --- allreduce -------------------------------------------------------------------------------
 
 
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``tensor`` in place by ``factor`` as Horovod does: integers in float64 and back
+    (truncated toward zero), float16 and bfloat16 on the CPU in float32 math."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point() and (tensor.is_cuda or tensor.dtype not in (torch.float16, torch.bfloat16)):
+        return tensor.mul_(factor)
+    wide = torch.float32 if tensor.is_floating_point() else torch.float64
+    return tensor.copy_(tensor.to(wide).mul_(factor))
+
+
 def _scaled(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    return (lambda t: t) if factor == 1.0 else (lambda t: t.mul_(factor))
+    return lambda tensor: scale_(tensor, factor)
+
+
+def _summed_then_scaled(op: str, dtype: torch.dtype, postscale: float, size: int) -> tuple[str, float]:
+    """Horovod averages integers as their sum scaled by ``1/size`` (in float64, then truncated):
+    the op to send and the factor to apply after it."""
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        return "sum", postscale / size
+    return op, postscale
 
 
 def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None, op: str, prescale: float,
                      postscale: float, process_set: ProcessSet) -> int:
+    op, postscale = _summed_then_scaled(op, tensor.dtype, postscale, set_size(process_set))
+
     def launch() -> Any:
         if output is not tensor:
             output.copy_(tensor)
-        _scaled(prescale)(output)
+        scale_(output, prescale)
         return collectives.allreduce_(output, op, async_op=True)
 
     return _submit("allreduce", name, process_set, launch, _scaled(postscale), [tensor])
@@ -147,17 +168,18 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for index, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(index)
+    reductions = [_summed_then_scaled(op, dtype, postscale, set_size(process_set)) for dtype, _ in groups]
     flats: list[torch.Tensor] = []
 
     def launch() -> _All:
         for indices in groups.values():
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
-            flats.append(_scaled(prescale)(flat))
-        return _All([collectives.allreduce_(flat, op, async_op=True) for flat in flats])
+            flats.append(scale_(flat, prescale))
+        return _All([collectives.allreduce_(flat, sent, async_op=True) for flat, (sent, _) in zip(flats, reductions)])
 
     def finish(_: Any) -> list[torch.Tensor]:
-        for indices, flat in zip(groups.values(), flats):
-            pieces = _scaled(postscale)(flat).split([tensors[i].numel() for i in indices])
+        for indices, flat, (_, after) in zip(groups.values(), flats, reductions):
+            pieces = scale_(flat, after).split([tensors[i].numel() for i in indices])
             for i, piece in zip(indices, pieces):
                 outputs[i].copy_(piece.view_as(outputs[i]))
         return outputs
@@ -190,6 +212,30 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                                                 process_set))
 
 
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                           process_set: ProcessSet = global_process_set) -> int:
+    """Start summing (``hvd.Sum``) or averaging a sparse COO tensor over the set: every rank's
+    indices and values are allgathered; ``synchronize`` returns the (coalesced) sparse result."""
+    op_name = basics.op_name(op)
+    if op_name not in ("sum", "avg"):
+        raise ConfigurationError("sparse allreduce supports op=hvd.Average and op=hvd.Sum.")
+    if not tensor.is_sparse:
+        raise ConfigurationError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async for a dense one.")
+    sparse = tensor.coalesce()
+    indices, values = sparse.indices().t().contiguous(), sparse.values().contiguous()
+    size = set_size(process_set)
+
+    def finish(gathered: list[torch.Tensor]) -> torch.Tensor:
+        all_indices, all_values = gathered
+        if op_name == "avg":
+            scale_(all_values, 1.0 / size)
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, sparse.shape).coalesce()
+
+    return _submit("sparse_allreduce", name, process_set,
+                   lambda: _All([collectives.allgather(indices, async_op=True),
+                                 collectives.allgather(values, async_op=True)]), finish, [values])
+
+
 # --- allgather, broadcast, alltoall, reducescatter --------------------------------------------
 
 
@@ -209,15 +255,17 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
-    """Start copying ``root_rank``'s tensor to every rank of the set (into a new tensor)."""
-    return _submit("broadcast", name, process_set, lambda: collectives.broadcast(tensor, root_rank, async_op=True),
+    """Start copying the tensor of global rank ``root_rank`` to every rank of the set (into a new tensor)."""
+    root = root_position(process_set, root_rank)
+    return _submit("broadcast", name, process_set, lambda: collectives.broadcast(tensor, root, async_op=True),
                    tensors=[tensor])
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
-    """Start overwriting ``tensor`` in place with ``root_rank``'s."""
-    return _submit("broadcast", name, process_set, lambda: collectives.broadcast_(tensor, root_rank, async_op=True),
+    """Start overwriting ``tensor`` in place with global rank ``root_rank``'s."""
+    root = root_position(process_set, root_rank)
+    return _submit("broadcast", name, process_set, lambda: collectives.broadcast_(tensor, root, async_op=True),
                    tensors=[tensor])
 
 
@@ -253,13 +301,13 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
                         postscale_factor: float = 1.0) -> int:
     """Start reducing ``tensor`` over the set and giving each rank its share of dim 0 (the first ranks
     get one row more when it does not divide)."""
-    op_name = _reducescatter_op(op)
+    sent, after = _summed_then_scaled(_reducescatter_op(op), tensor.dtype, postscale_factor, set_size(process_set))
 
     def launch() -> Any:
-        work = tensor if prescale_factor == 1.0 else tensor * prescale_factor
-        return collectives.reduce_scatter(work, op_name, async_op=True)
+        work = tensor if prescale_factor == 1.0 else scale_(tensor.clone(), prescale_factor)
+        return collectives.reduce_scatter(work, sent, async_op=True)
 
-    return _submit("reducescatter", name, process_set, launch, _scaled(postscale_factor), [tensor])
+    return _submit("reducescatter", name, process_set, launch, _scaled(after), [tensor])
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
@@ -267,13 +315,15 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 postscale_factor: float = 1.0) -> int:
     """Start reduce-scattering each tensor of a list; ``synchronize`` returns the list of shares."""
     op_name = _reducescatter_op(op)
+    reductions = [_summed_then_scaled(op_name, t.dtype, postscale_factor, set_size(process_set)) for t in tensors]
 
     def launch() -> _All:
-        return _All([collectives.reduce_scatter(t if prescale_factor == 1.0 else t * prescale_factor, op_name,
-                                                async_op=True) for t in tensors])
+        return _All([collectives.reduce_scatter(t if prescale_factor == 1.0 else scale_(t.clone(), prescale_factor),
+                                                sent, async_op=True) for t, (sent, _) in zip(tensors, reductions)])
 
     return _submit("grouped_reducescatter", name, process_set, launch,
-                   lambda shares: [_scaled(postscale_factor)(share) for share in shares], list(tensors))
+                   lambda shares: [scale_(share, after) for share, (_, after) in zip(shares, reductions)],
+                   list(tensors))
 
 
 def _reducescatter_op(op: int) -> str:

@@ -43,6 +43,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: int | Sequence[Sequence[torch.nn.Parameter]] | None = None, sparse_as_dense: bool = False,
                  process_set: ProcessSet = global_process_set):
+        named = _named(optimizer, named_parameters)  # bad names are refused before anything needs init()
         basics.require_init()
         if op not in (Average, Sum):
             basics.op_name(op)  # Adasum and unknown values raise there
@@ -60,7 +61,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._settings = dict(op=op, predivide=gradient_predivide_factor, wire_dtype=compression.wire_dtype,
                               groups=groups, sparse_as_dense=sparse_as_dense)
-        self._named = _named(optimizer, named_parameters)
+        self._named = named
         self._synchronized = False
         self._should_synchronize = True
         self._reducer: GradientReducer | None = None

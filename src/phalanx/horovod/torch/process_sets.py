@@ -3,8 +3,9 @@
 Every rank must create the same sets in the same order (``hvd.init(process_sets=[...])``, or
 ``add_process_set`` called on every rank), because forming a group is collective over the job.
 A collective given ``process_set=`` runs inside :func:`phalanx.comm.collectives.within` the set's
-group, with the same checks, errors and averaging as over the whole job; ranks and roots are
-positions within the set, as in Horovod.
+group, with the same checks, errors and averaging as over the whole job. A ``root_rank`` is a
+global rank, as in Horovod (:func:`root_position` finds it in the set); ``ProcessSet.rank()`` is
+a position within the set.
 """
 
 from __future__ import annotations
@@ -150,6 +151,15 @@ def scope_of(process_set: ProcessSet) -> collectives.Scope | None:
 def position(process_set: ProcessSet) -> int:
     """This rank's position in ``process_set`` (its rank, for the global set)."""
     return int(process_set.rank() or 0)
+
+
+def root_position(process_set: ProcessSet, root_rank: int) -> int:
+    """The position in ``process_set`` of the global rank ``root_rank`` (the same on every rank)."""
+    ranks = list(range(runtime.size())) if process_set.process_set_id == 0 else (process_set.ranks or [])
+    if root_rank not in ranks:
+        raise ConfigurationError(
+            f"root_rank {root_rank} is not a member of {process_set}: a root is a global rank of one of its members.")
+    return ranks.index(root_rank)
 
 
 def set_size(process_set: ProcessSet) -> int:

@@ -7,7 +7,9 @@ counts the same (``Average`` divides by the set's size, ``Sum`` does not), the o
 ``gradient_predivide_factor`` split of that division, float16 buckets for ``Compression.fp16``,
 ``backward_passes_per_step`` (local accumulation over several backwards, one allreduce), explicit
 ``groups`` and the set's group. Buckets go through the checked allreduce, so ranks that called
-``hvd.join()`` take part with zeros.
+``hvd.join()`` take part with zeros. A sparse gradient (``nn.Embedding(sparse=True)``) travels as
+Horovod's sparse allreduce does, its indices and values allgathered beside its bucket, unless
+``sparse_as_dense``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class HorovodAverage:
         self._task = -1
         self._reducing = False  # the backward now running reduces
         self._started: list[float] = []
+        self._sparse: dict[int, torch.Tensor] = {}  # this backward's sparse gradients, prescaled, by parameter
+        self._gathered: dict[int, Any] = {}  # their allgathers in flight: (indices, values) handles
 
     def agree_order(self, observed: list[int]) -> list[int] | None:
         """Buckets follow the first step's gradient order, agreed over the whole job, unless the
@@ -94,17 +98,17 @@ class HorovodAverage:
         return buckets
 
     def begin_backward(self) -> None:
-        self._started = []
+        self._started, self._sparse, self._gathered = [], {}, {}
 
     def pack(self, bucket: Bucket, slot: int, param: torch.nn.Parameter) -> None:
         """Write this parameter's gradient, prescaled, into its slot; ``.grad`` becomes a view of it."""
         view, grad = bucket.views[slot], param.grad
         if grad is not None and grad.is_sparse:
             if not self.sparse_as_dense:
-                raise ConfigurationError(
-                    f"'{self.names[bucket.param_indices[slot]]}' has a sparse gradient: pass sparse_as_dense=True to "
-                    "DistributedOptimizer (phalanx.horovod averages gradients densely), or use a dense layer."
-                )
+                self._sparse[bucket.param_indices[slot]] = grad.coalesce() * self.prescale
+                view.zero_()
+                bucket.used[slot] = False
+                return
             grad = grad.to_dense()
         if grad is None:
             view.zero_()
@@ -129,10 +133,17 @@ class HorovodAverage:
         flat = bucket.flat
         with collectives.within(self.scope):
             if self.wire_dtype is None or flat.dtype == self.wire_dtype or not flat.is_floating_point():
-                return collectives.allreduce_(flat, "sum", async_op=True)
-            compact = flat.to(self.wire_dtype)
-            return collectives.then(collectives.allreduce_(compact, "sum", async_op=True),
-                                    lambda _: flat.copy_(compact))
+                dense = collectives.allreduce_(flat, "sum", async_op=True)
+            else:
+                compact = flat.to(self.wire_dtype)
+                dense = collectives.then(collectives.allreduce_(compact, "sum", async_op=True),
+                                         lambda _: flat.copy_(compact))
+            sparse = [index for index in bucket.param_indices if index in self._sparse]
+            for index in sparse:
+                grad = self._sparse[index]
+                self._gathered[index] = (collectives.allgather(grad.indices().t().contiguous(), async_op=True),
+                                         collectives.allgather(grad.values().contiguous(), async_op=True))
+        return _Waiting([dense, *(handle for index in sparse for handle in self._gathered[index])])
 
     def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None:
         """After the wait: postscale, point ``.grad`` at the averages (``None`` where no rank had one)."""
@@ -141,13 +152,21 @@ class HorovodAverage:
             if self.postscale != 1.0:
                 bucket.gradient.mul_(self.postscale)
             for slot, index in enumerate(bucket.param_indices):
-                self.params[index].grad = bucket.views[slot] if used[slot] > 0 else None
+                self.params[index].grad = bucket.views[slot] if used[slot] > 0 else self._sparse_sum(index)
             if timeline.active():
                 timeline.record("ALLREDUCE", f"gradients.bucket{bucket.index}", started,
                                 {"parameters": [self.names[i] for i in bucket.param_indices]})
         timeline.cycle()
         self.accumulation.restart()
         self.reduced, self._reducing = True, False
+
+    def _sparse_sum(self, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s summed sparse gradient, postscaled, if it had one (else ``None``)."""
+        if index not in self._gathered:
+            return None
+        indices, values = (handle.wait() for handle in self._gathered[index])
+        shape = self._sparse[index].shape
+        return torch.sparse_coo_tensor(indices.t(), values.mul_(self.postscale), shape).coalesce()
 
     def stepped(self) -> None:
         """``synchronize()`` or ``step()`` ran: the next backward starts a new accumulation."""
@@ -168,3 +187,14 @@ def _by_dtype(groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[l
             parts.setdefault((params[index].dtype, params[index].device), []).append(index)
         split.extend(parts.values())
     return split
+
+
+class _Waiting:
+    """A bucket's dense allreduce and its sparse allgathers, waited for together."""
+
+    def __init__(self, handles: Sequence[Any]):
+        self.handles = list(handles)
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
