@@ -142,12 +142,14 @@ def _mismatched_dtype_and_operation() -> list[str]:
         lambda: px.allreduce(torch.ones(4, dtype=torch.float32 if px.rank() == 0 else torch.float64)),
         lambda: px.allreduce(torch.ones(4)) if px.rank() == 0 else px.broadcast(torch.ones(4)),
         lambda: px.allgather(torch.ones(2, 3 + px.rank())),
+        lambda: px.allgather(torch.ones(2)) if px.rank() == 0 else px.barrier(),  # one side may not pass alone
     ):
         try:
             call()
             messages.append("no error")
         except px.CollectiveMismatchError as error:
             messages.append(str(error))
+    messages.append(str(px.allreduce(torch.ones(1)).item()))  # still in step
     return messages
 
 
@@ -164,10 +166,12 @@ def test_shape_mismatch_raises_on_every_rank_naming_ranks_and_shapes(world_size:
 
 def test_dtype_and_operation_mismatches_raise_on_every_rank() -> None:
     for messages in run_workers(_mismatched_dtype_and_operation, 2):
-        dtype, operation, gathered = messages
+        dtype, operation, gathered, barrier, after = messages
         assert "torch.float32" in dtype and "torch.float64" in dtype
         assert "allreduce(" in operation and "broadcast(" in operation
         assert "shape=[2, 3]" in gathered and "shape=[2, 4]" in gathered
+        assert "rank 0: allgather(" in barrier and "rank 1: barrier(" in barrier
+        assert after == "2.0"
 
 
 def _rank_one_skips_the_collective() -> str:

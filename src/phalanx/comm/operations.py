@@ -76,6 +76,7 @@ _scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("phalanx_c
 
 
 REDUCE_OPS_INDEX = {name: index for index, name in enumerate(REDUCE_OPS)}
+_NO_DATA = torch.empty(0)  # the record of an operation that carries no tensor (a barrier)
 ALLREDUCE_ALGORITHMS = ("backend", "auto", *algorithms.ALGORITHMS)
 
 
@@ -443,14 +444,17 @@ class Collectives:
 
     @_when_open
     def barrier(self, *, async_op: bool = False) -> None | Handle[None]:
-        """Wait until every rank has reached this point."""
+        """Wait until every rank has reached this point.
+
+        The barrier is the cross-rank check every collective starts with: each rank's record of
+        "barrier" meets the others', so a rank that reached another collective instead makes every
+        rank raise :class:`CollectiveMismatchError` (both still in step), where a bare barrier would
+        have let one side pass and the other fail alone.
+        """
         if self._size() == 1:
             return done(None, async_op)
-        shared = self._one_host_executor()
-        if shared is not None:
-            return self._on(shared, "barrier (shared memory)", shared.group.barrier, lambda _: None, async_op)
-        return self._launch("barrier", lambda: dist.barrier(group=self._group(None), async_op=True), lambda: None,
-                            async_op)
+        self._agree("barrier", _NO_DATA, 0, 0, check=True)
+        return done(None, async_op)
 
     @overload
     def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[False] = ...) -> Any: ...

@@ -56,9 +56,10 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
 
 def shutdown() -> None:
     """Leave the job; ``init`` may be called again."""
-    from phalanx.horovod.torch import process_sets as sets
+    from phalanx.horovod.torch import mpi_ops, process_sets as sets
 
     global _layout
+    mpi_ops.forget()
     sets.forget()
     _layout = None
     runtime.shutdown()

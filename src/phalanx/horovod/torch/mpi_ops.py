@@ -2,8 +2,10 @@
 
 Each ``*_async`` launches a phalanx collective at once (in call order, as torch.distributed
 matches them) and returns an integer handle; ``synchronize(handle)`` waits and returns the
-result. The cross-rank check of phalanx's collectives makes mismatched shapes, dtypes, ops and
-roots raise :class:`HorovodMismatchError` on every rank; a name still in flight raises at once.
+result, or raises the operation's error (also one found when it started, as Horovod reports
+errors with results). The cross-rank check of phalanx's collectives makes mismatched shapes,
+dtypes, ops and roots raise :class:`HorovodMismatchError` on every rank; a name still in flight
+(submitted and not synchronized, failed or not) raises ``ValueError`` at once.
 """
 
 from __future__ import annotations
@@ -15,11 +17,25 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm import collectives
-from phalanx.errors import ConfigurationError
+from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.horovod.torch import basics, timeline
 from phalanx.horovod.torch.basics import Average, Sum
 from phalanx.horovod.torch.exceptions import horovod_errors
 from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, root_position, scope_of, set_size
+
+
+class _Failed:
+    """An operation that failed when it started: ``synchronize`` raises its error, as Horovod
+    reports a collective's error with its result (the name stays taken until then)."""
+
+    def __init__(self, error: PhalanxError):
+        self.error = error
+
+    def wait(self) -> Any:
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class _All:
@@ -65,14 +81,23 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: Callab
     details = {"shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype)} \
         if timeline.active() and tensors else {}
     start = timeline.now_us()
-    with horovod_errors(), collectives.within(scope):
-        work = launch()
+    try:
+        with horovod_errors(), collectives.within(scope):
+            work = launch()
+    except PhalanxError as error:  # as in Horovod, the operation's error comes with its result
+        work = _Failed(error)
     handle = next(_handles)
     _pending[handle] = _Pending(kind, name or f"{kind}.noname.{next(_auto_names)}", name is not None, work,
                                 finish, start, details)
     if name is not None:
         _in_flight[name] = handle
     return handle
+
+
+def forget() -> None:
+    """Drop every operation not synchronized yet (at shutdown: a fresh ``init`` starts clean)."""
+    _pending.clear()
+    _in_flight.clear()
 
 
 def poll(handle: int) -> bool:
