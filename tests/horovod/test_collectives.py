@@ -156,7 +156,12 @@ def _errors(hvd, r: int, n: int) -> dict:
     # While rank 0 has joined, the others' allreduces get its zeros; anything else raises everywhere.
     joined = hvd.join() if r == 0 else (hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item(), hvd.join())
     out["join_allreduce"] = joined
-    out["join_other"] = _raised(hvd.join if r == 0 else lambda: hvd.allgather(torch.ones(1)))
+    # Another collective raises on the ranks that call it; the joined rank goes on waiting.
+    if r == 0:
+        out["join_other"] = hvd.join()
+    else:
+        out["join_other"] = _raised(lambda: hvd.allgather(torch.ones(1)))
+        hvd.join()
     return out
 
 
@@ -263,4 +268,7 @@ def _check_errors(out: dict, r: int, n: int) -> None:
     assert "Adasum" in out["adasum"] and "supersedes" in out["both"]
     assert out["still_works"] == n
     assert out["join_allreduce"] == (n - 1 if r == 0 else (n - 1.0, n - 1))
-    assert out["join_other"].startswith("HorovodMismatchError") and "[0] have joined" in out["join_other"]
+    if r == 0:
+        assert out["join_other"] in range(1, n)  # the last to join, after the others' failed allgather
+    else:
+        assert out["join_other"].startswith("HorovodMismatchError") and "[0] have joined" in out["join_other"]

@@ -510,8 +510,9 @@ class Collectives:
         ranks still run, until every rank has called ``join``. Returns the rank that joined last.
 
         Ranks that have not joined see the joined ones only in the metadata check, so their
-        allreduces (``check=True``) need nothing else; any other checked collective raises
-        :class:`CollectiveMismatchError` on every rank while a rank has joined.
+        allreduces (``check=True``) need nothing else. Any other checked collective raises
+        :class:`CollectiveMismatchError` on the ranks that called it, as do allreduces they called
+        with different arguments; the joined ranks go on waiting (as in Horovod).
         """
         if self._size() == 1:
             return self._rank()
@@ -523,10 +524,12 @@ class Collectives:
             active = [row for row in rows if row[_OP] != _JOIN]
             if not active:
                 return max(r for r, row in enumerate(rows) if row[_DETAIL] == 1)
-            other = next((row[_OP] for row in active if row[_OP] != _OPERATIONS.index("allreduce")), None)
-            if other is not None:
-                self._raise_joined(rows, _OPERATIONS[other])
-            self._compare(rows, "allreduce", ignore_first_dim=False)  # what the ranks still running raise, if anything
+            if any(row[_OP] != _OPERATIONS.index("allreduce") for row in active):
+                continue  # the ranks that called it raise; nothing travels
+            try:
+                self._compare(rows, "allreduce", ignore_first_dim=False)
+            except PhalanxError:
+                continue  # the ranks still running raise this, before any data
             row = active[0]
             op = list(REDUCE_OPS)[row[_DETAIL] % len(REDUCE_OPS)]
             algorithm = ALLREDUCE_ALGORITHMS[row[_DETAIL] // len(REDUCE_OPS)]
