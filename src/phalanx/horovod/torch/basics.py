@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,12 @@ Product = 5
 _OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 
 _layout: dict[str, Any] | None = None  # cross rank/size and homogeneity, agreed at init
+_on_shutdown: list[Callable[[], None]] = []  # what the other modules forget at shutdown (on_shutdown)
+
+
+def on_shutdown(forget: Callable[[], None]) -> None:
+    """Have ``shutdown`` call ``forget``: a module's state of this job (ops in flight) goes with it."""
+    _on_shutdown.append(forget)
 
 
 def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> None:
@@ -56,10 +62,11 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
 
 def shutdown() -> None:
     """Leave the job; ``init`` may be called again."""
-    from phalanx.horovod.torch import mpi_ops, process_sets as sets
+    from phalanx.horovod.torch import process_sets as sets
 
     global _layout
-    mpi_ops.forget()
+    for forget in _on_shutdown:
+        forget()
     sets.forget()
     _layout = None
     runtime.shutdown()

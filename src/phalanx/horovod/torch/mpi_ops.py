@@ -100,6 +100,9 @@ def forget() -> None:
     _in_flight.clear()
 
 
+basics.on_shutdown(forget)
+
+
 def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` has completed (then ``synchronize`` does not block)."""
     if handle not in _pending:
