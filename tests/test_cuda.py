@@ -36,11 +36,12 @@ def run_check(tmp_path: Path, check: str, *launch: str, device: str = "cuda", ti
 
 def test_the_checks_run_on_the_cpu_too(tmp_path: Path) -> None:
     """The script's own use of the API, in one job without a GPU (the figures are the CPU's; the
-    precision check's reference is CUDA's, compiling needs a compiler, parameter servers --servers)."""
-    checks = ("fit", "allreduce", "reproducible", "compression", "syncbn", "central_storage", "horovod")
+    precision check's reference is CUDA's, compiling needs a compiler, parameter servers --servers,
+    and the reproducible and central-storage checks are px.fit's options, as the fit check)."""
+    checks = ("fit", "allreduce", "compression", "syncbn", "horovod")  # reproducible, central storage: fit's
     figures = run_check(tmp_path, ",".join(checks), "-n", "1", device="cpu")
     assert figures["allreduce"] == {"is_cuda": False, "value": [1.0] * 4}
-    for check in ("fit", "compression", "syncbn", "central_storage"):
+    for check in ("fit", "compression", "syncbn"):
         assert figures[check]["device"] == "cpu" and figures[check]["accuracy"] > 0.9, figures
     assert not figures["fit"]["pinned"] and figures["horovod"]["last_loss"] < figures["horovod"]["first_loss"]
 
