@@ -27,7 +27,7 @@ from phalanx.cli.config import (
 )
 from phalanx.cli.elastic import ElasticSupervisor
 from phalanx.cli.launcher import Supervisor
-from phalanx.comm.devices import DEVICES
+from phalanx.comm.environment import DEVICES
 from phalanx.errors import ConfigurationError
 from phalanx.host import ensure_open_files, oversubscription, usable_cores
 

@@ -14,9 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.environment import DEVICES
 from phalanx.errors import ConfigurationError
-
-DEVICES = ("auto", "cuda", "cpu")
 
 
 def visible_gpus() -> int:
@@ -33,15 +32,16 @@ def resolve_backend(requested: str | None, device: str = "auto") -> str:
     if device == "cpu" and requested == "nccl":
         raise ConfigurationError("backend='nccl' on a job launched with --device cpu: NCCL needs GPUs; drop "
                                  "backend= or launch with --device cuda.")
-    if requested == "nccl" and visible_gpus() == 0:
+    gpus = visible_gpus()
+    if requested == "nccl" and gpus == 0:
         raise ConfigurationError("backend='nccl' needs CUDA and NCCL, which are not available here; use "
                                  "backend='gloo'.")
-    if device == "cuda" and visible_gpus() == 0:
+    if device == "cuda" and gpus == 0:
         raise ConfigurationError("the job was launched with --device cuda, but this process sees no GPU (is "
                                  f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r} right?).")
     if requested is not None:
         return requested
-    return "nccl" if device != "cpu" and visible_gpus() > 0 else "gloo"
+    return "nccl" if device != "cpu" and gpus > 0 else "gloo"
 
 
 def device_for(backend: str, local_rank: int, workers_on_host: int, gpus: int, where: str) -> torch.device:

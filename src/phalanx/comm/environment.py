@@ -23,6 +23,7 @@ JOB_ENV = "PHALANX_JOB_ID"  # the launcher's: names this job's shared-memory seg
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "1": an elastic launch, whose coordinator admits members
 MEMBER_ENV = "PHALANX_MEMBER_ID"  # this worker's id among an elastic job's members
 DEVICE_ENV = "PHALANX_DEVICE"  # "cuda" or "cpu": the launcher's --device (absent: auto)
+DEVICES = ("auto", "cuda", "cpu")  # what a launch may say the workers train on (phalanx.comm.devices)
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def phalanx_variables(env: Mapping[str, str]) -> dict[str, Any]:
     if member is not None and not member.isdigit():
         raise ConfigurationError(f"${MEMBER_ENV}={member!r} is not a member id; launch with `phalanx run`.")
     device = env.get(DEVICE_ENV) or "auto"
-    if device not in ("auto", "cuda", "cpu"):
+    if device not in DEVICES:
         raise ConfigurationError(f"${DEVICE_ENV}={device!r} is not a device: use 'cuda' or 'cpu'.")
     return {"timeout_s": timeout_s, "job_id": env.get(JOB_ENV, ""),
             "elastic_member": int(member) if member is not None else None, "device": device}

@@ -36,13 +36,13 @@ def eager(function: Callable[..., T]) -> Callable[..., T]:
     return call
 
 
-def _nothing() -> None:
-    """Called outside the graph, it ends the compiled graph here."""
+@eager
+def _graph_break() -> None:
+    """Nothing; run outside the graph, a call ends the compiled graph where it is made."""
 
 
 def _break_before(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
-        torch.compiler.disable(_nothing)()
+    _graph_break()
 
 
 def break_at_buckets(module: nn.Module, params: Sequence[nn.Parameter],

@@ -69,8 +69,7 @@ class Replicated:
         refuse_parameter_servers_launched("px.DataParallel")
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
-        wrapped = wrap(model)
-        return wrapped, optimizer
+        return wrap(model), optimizer
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Nothing to tear down."""
