@@ -96,6 +96,11 @@ def connect(store: Any, server: int, worker: int, timeout_s: float) -> Channel:
     return Channel(store, f"{server}/{ticket}", 1, timeout_s, f"parameter server {server}")
 
 
+def own_connection(store: Any) -> Any:
+    """A connection to ``store`` of this thread's own (a TCPStore client is not shared between threads)."""
+    return store.clone() if hasattr(store, "clone") else store
+
+
 class Listener:
     """A server's thread that accepts channels from workers, in ticket order, for as long as it runs.
 
@@ -105,7 +110,7 @@ class Listener:
     POLL_S = 0.2
 
     def __init__(self, store: Any, server: int, timeout_s: float, on_channel: Callable[[int, Channel], None]):
-        self._store = store.clone() if hasattr(store, "clone") else store
+        self._store = own_connection(store)
         self.server = server
         self.timeout_s = timeout_s
         self._on_channel = on_channel

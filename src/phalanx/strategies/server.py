@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from phalanx.comm import runtime
-from phalanx.comm.channel import Channel, ChannelClosed, Listener
+from phalanx.comm.channel import Channel, ChannelClosed, Listener, own_connection
 from phalanx.errors import CollectiveTimeoutError
 from phalanx.parallel.clipping import Clipping
 from phalanx.strategies import protocol as wire
@@ -44,6 +44,8 @@ class Server:
         self.clipping = clipping
         self.servers = servers
         self._store: Any = None  # this server's own connection to the store, for the clipping norm
+        norm_over_servers = servers > 1 and clipping is not None and clipping.max_norm is not None
+        self._norm_sum = self._sum_over_servers if norm_over_servers else None  # (synchronous steps only)
         self.mode = mode
         self.workers = workers
         self.timeout_s = timeout_s
@@ -218,8 +220,7 @@ class Server:
         for worker in order[1:]:
             for summed, buffer in zip(total, self._pending[worker]):
                 summed.add_(buffer)
-        several = self.servers > 1 and self.clipping is not None and self.clipping.max_norm is not None
-        self.shard.apply(total, self._pending_rates, self.clipping, self._sum_over_servers if several else None)
+        self.shard.apply(total, self._pending_rates, self.clipping, self._norm_sum)
         self._pending.clear()
         self.step += 1
         self.version += 1
@@ -229,8 +230,7 @@ class Server:
         """``value`` summed over every server at this step, in server order (so the same sum on each),
         through the rendezvous store: the servers share no group. Called under the lock."""
         if self._store is None:
-            store = runtime.store()
-            self._store = store.clone() if hasattr(store, "clone") else store
+            self._store = own_connection(runtime.store())
 
         def key(server: int, step: int) -> str:
             return f"phalanx/ps/squared-norm/{step}/{server}"
