@@ -38,7 +38,7 @@ class _Failed:
         return True
 
 
-class _All:
+class AllOf:
     """Several collectives in flight as one: ``wait()`` returns their results in order."""
 
     def __init__(self, handles: Sequence[Any]):
@@ -199,11 +199,11 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[
     reductions = [_summed_then_scaled(op, dtype, postscale, set_size(process_set)) for dtype, _ in groups]
     flats: list[torch.Tensor] = []
 
-    def launch() -> _All:
+    def launch() -> AllOf:
         for indices in groups.values():
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
             flats.append(scale_(flat, prescale))
-        return _All([collectives.allreduce_(flat, sent, async_op=True) for flat, (sent, _) in zip(flats, reductions)])
+        return AllOf([collectives.allreduce_(flat, sent, async_op=True) for flat, (sent, _) in zip(flats, reductions)])
 
     def finish(_: Any) -> list[torch.Tensor]:
         for indices, flat, (_, after) in zip(groups.values(), flats, reductions):
@@ -250,18 +250,22 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
     if not tensor.is_sparse:
         raise ConfigurationError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async for a dense one.")
     sparse = tensor.coalesce()
-    indices, values = sparse.indices().t().contiguous(), sparse.values().contiguous()
-    size = set_size(process_set)
+    factor = 1.0 / set_size(process_set) if op_name == "avg" else 1.0
+    return _submit("sparse_allreduce", name, process_set, lambda: gather_sparse(sparse),
+                   lambda gathered: summed_sparse(gathered, sparse.shape, factor), [sparse.values()])
 
-    def finish(gathered: list[torch.Tensor]) -> torch.Tensor:
-        all_indices, all_values = gathered
-        if op_name == "avg":
-            scale_(all_values, 1.0 / size)
-        return torch.sparse_coo_tensor(all_indices.t(), all_values, sparse.shape).coalesce()
 
-    return _submit("sparse_allreduce", name, process_set,
-                   lambda: _All([collectives.allgather(indices, async_op=True),
-                                 collectives.allgather(values, async_op=True)]), finish, [values])
+def gather_sparse(sparse: torch.Tensor) -> AllOf:
+    """Start allgathering a coalesced sparse COO tensor's indices (a row per entry) and values over
+    the current scope: Horovod's sparse allreduce, also the optimizer's for sparse gradients."""
+    return AllOf([collectives.allgather(sparse.indices().t().contiguous(), async_op=True),
+                  collectives.allgather(sparse.values().contiguous(), async_op=True)])
+
+
+def summed_sparse(gathered: list[torch.Tensor], shape: torch.Size, factor: float) -> torch.Tensor:
+    """Every rank's entries (:func:`gather_sparse`'s results) as one coalesced sparse sum, times ``factor``."""
+    indices, values = gathered
+    return torch.sparse_coo_tensor(indices.t(), scale_(values, factor), shape).coalesce()
 
 
 # --- allgather, broadcast, alltoall, reducescatter --------------------------------------------
@@ -278,7 +282,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                             process_set: ProcessSet = global_process_set) -> int:
     """Start allgathering each tensor of a list; ``synchronize`` returns the list of results."""
     return _submit("grouped_allgather", name, process_set,
-                   lambda: _All([collectives.allgather(t, async_op=True) for t in tensors]), tensors=list(tensors))
+                   lambda: AllOf([collectives.allgather(t, async_op=True) for t in tensors]), tensors=list(tensors))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -313,12 +317,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     counts = None if splits is None else [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
                                                            else splits)]
 
-    def launch() -> _All:
+    def launch() -> AllOf:
         main = collectives.alltoall(tensor, counts, async_op=True)
         world = set_size(process_set)
         sent = counts if counts is not None else [tensor.shape[0] // world] * world
         received = collectives.alltoall(torch.tensor(sent, dtype=torch.int64), async_op=True, check=False)
-        return _All([main, received])
+        return AllOf([main, received])
 
     return _submit("alltoall", name, process_set, launch,
                    lambda results: (results[0], results[1].to(torch.int32)), [tensor])
@@ -345,8 +349,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     op_name = _reducescatter_op(op)
     reductions = [_summed_then_scaled(op_name, t.dtype, postscale_factor, set_size(process_set)) for t in tensors]
 
-    def launch() -> _All:
-        return _All([collectives.reduce_scatter(t if prescale_factor == 1.0 else scale_(t.clone(), prescale_factor),
+    def launch() -> AllOf:
+        return AllOf([collectives.reduce_scatter(t if prescale_factor == 1.0 else scale_(t.clone(), prescale_factor),
                                                 sent, async_op=True) for t, (sent, _) in zip(tensors, reductions)])
 
     return _submit("grouped_reducescatter", name, process_set, launch,

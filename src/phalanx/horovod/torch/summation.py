@@ -21,6 +21,7 @@ import torch
 from phalanx.comm import collectives
 from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import timeline
+from phalanx.horovod.torch.mpi_ops import AllOf, gather_sparse, summed_sparse
 from phalanx.parallel.accumulation import Accumulation
 from phalanx.parallel.buckets import Bucket
 from phalanx.parallel.reducer import Phase
@@ -47,7 +48,7 @@ class HorovodAverage:
         self._reducing = False  # the backward now running reduces
         self._started: list[float] = []
         self._sparse: dict[int, torch.Tensor] = {}  # this backward's sparse gradients, prescaled, by parameter
-        self._gathered: dict[int, Any] = {}  # their allgathers in flight: (indices, values) handles
+        self._gathered: dict[int, AllOf] = {}  # their allgathers in flight (indices and values)
 
     def agree_order(self, observed: list[int]) -> list[int] | None:
         """Buckets follow the first step's gradient order, agreed over the whole job, unless the
@@ -140,10 +141,8 @@ class HorovodAverage:
                                          lambda _: flat.copy_(compact))
             sparse = [index for index in bucket.param_indices if index in self._sparse]
             for index in sparse:
-                grad = self._sparse[index]
-                self._gathered[index] = (collectives.allgather(grad.indices().t().contiguous(), async_op=True),
-                                         collectives.allgather(grad.values().contiguous(), async_op=True))
-        return _Waiting([dense, *(handle for index in sparse for handle in self._gathered[index])])
+                self._gathered[index] = gather_sparse(self._sparse[index])
+        return AllOf([dense, *(self._gathered[index] for index in sparse)])
 
     def end_backward(self, buckets: Sequence[Bucket], reduced: bool) -> None:
         """After the wait: postscale, point ``.grad`` at the averages (``None`` where no rank had one)."""
@@ -164,9 +163,7 @@ class HorovodAverage:
         """Parameter ``index``'s summed sparse gradient, postscaled, if it had one (else ``None``)."""
         if index not in self._gathered:
             return None
-        indices, values = (handle.wait() for handle in self._gathered[index])
-        shape = self._sparse[index].shape
-        return torch.sparse_coo_tensor(indices.t(), values.mul_(self.postscale), shape).coalesce()
+        return summed_sparse(self._gathered[index].wait(), self._sparse[index].shape, self.postscale)
 
     def stepped(self) -> None:
         """``synchronize()`` or ``step()`` ran: the next backward starts a new accumulation."""
@@ -187,14 +184,3 @@ def _by_dtype(groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[l
             parts.setdefault((params[index].dtype, params[index].device), []).append(index)
         split.extend(parts.values())
     return split
-
-
-class _Waiting:
-    """A bucket's dense allreduce and its sparse allgathers, waited for together."""
-
-    def __init__(self, handles: Sequence[Any]):
-        self.handles = list(handles)
-
-    def wait(self) -> None:
-        for handle in self.handles:
-            handle.wait()
