@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from phalanx.train.lr import LearningRates
 from phalanx.parallel.clipping import Clipping
+from phalanx.train.lr import LearningRates
 from phalanx.train.precision import Precision
 
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
-from phalanx.train.metrics import Metric, reduce_metrics
 from phalanx.parallel.clipping import Clipping
+from phalanx.train.metrics import Metric, reduce_metrics
 from phalanx.train.precision import Precision
 from phalanx.train.state import TrainState
 
@@ -45,8 +45,7 @@ def train_step(state: TrainState, batch: Any) -> None:
         inputs, targets = split_batch(batch)
         for outputs, micro_targets, loss in state.exact.backward(state.loss_fn, inputs, targets,
                                                                  state.loader.last_global_batch_size):
-            for metric in state.metrics:
-                metric.update(outputs, micro_targets, loss * len(micro_targets))
+            _count(state.metrics, outputs, micro_targets, loss, len(micro_targets))
     elif samples_in(batch) == 0:
         state.model.reduce_without_data()
     else:
@@ -66,9 +65,7 @@ def _backward_in_chunks(state: TrainState, batch: Any) -> None:
             with state.precision.autocast():
                 loss, outputs, targets = checked(state.training_step(part), part, state.metrics)
             state.precision.backward(loss * share if share != 1 else loss)
-        with torch.no_grad():
-            for metric in state.metrics:
-                metric.update(outputs, targets, loss.detach() * samples_in(part))
+        _count(state.metrics, outputs, targets, loss, samples_in(part))
 
 
 class ManualStep:
@@ -105,9 +102,14 @@ def _own_step(state: TrainState, batch: Any) -> None:
     with state.precision.autocast():
         loss, outputs, targets = checked(state.training_step(batch), batch, state.metrics)
     state.precision.update()
-    with torch.no_grad():
-        for metric in state.metrics:
-            metric.update(outputs, targets, loss.detach() * samples_in(batch))
+    _count(state.metrics, outputs, targets, loss, samples_in(batch))
+
+
+@torch.no_grad()
+def _count(metrics: list[Metric], outputs: Any, targets: Any, loss: torch.Tensor, samples: int) -> None:
+    """Add a batch's (or chunk's) outputs and mean loss, weighted by its samples, to ``metrics``."""
+    for metric in metrics:
+        metric.update(outputs, targets, loss.detach() * samples)
 
 
 def loss_of(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: Any) -> tuple[torch.Tensor, Any]:
@@ -198,8 +200,7 @@ def evaluate_batch(batch: Any, step: BatchStep, metrics: list[Metric], precision
     if samples:
         with precision.autocast() if precision is not None else contextlib.nullcontext():
             loss, outputs, targets = checked(step(batch), batch, metrics)
-        for metric in metrics:
-            metric.update(outputs, targets, loss * samples)
+        _count(metrics, outputs, targets, loss, samples)
 
 
 def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
