@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import phalanx as px
 from tests.harness import run_workers
-from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, _dataset, _model, global_batches
-from tests.train.test_step_fn import _AlternatingStep, _optimizers, _reference, _Serial, _step, _TwoPlayers
+from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, _dataset, _model
+from tests.train.test_step_fn import _AlternatingStep, _optimizers, _reference, _step, _TwoPlayers, serial_adversarial
 
 
 class _WithPenalty(px.Loop):
@@ -70,15 +70,10 @@ def _fit_adversarial() -> dict:
 
 
 def test_a_loop_that_drives_its_own_optimization_trains_as_the_serial_loop() -> None:
-    players, (x, y) = _TwoPlayers(), _dataset()
-    serial = _AlternatingStep(players)
-    for indices in global_batches():
-        serial.critic.zero_grad()
-        serial.generator.zero_grad()
-        serial(players, (x[indices], y[indices]), _Serial())
+    reference = serial_adversarial()
     results = run_workers(_fit_adversarial, 2, timeout=150)
     for result in results:
-        for name, value in players.state_dict().items():
+        for name, value in reference.items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
         assert set(result["history"]) == {"loss", "val_loss"}
     assert results[0]["history"] == results[1]["history"]

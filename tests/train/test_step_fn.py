@@ -128,14 +128,20 @@ def _fit_adversarial() -> dict:
     return {"weights": {k: v.clone() for k, v in players.state_dict().items()}, "history": history.history}
 
 
-def test_a_step_that_drives_its_own_backward_and_optimizers_trains_as_the_serial_loop() -> None:
+def serial_adversarial() -> dict:
+    """The alternating critic/generator step run serially over every global batch: the weights."""
     players, (x, y) = _TwoPlayers(), _dataset()
     serial = _AlternatingStep(players)
     for indices in global_batches():
         serial.critic.zero_grad()
         serial.generator.zero_grad()
         serial(players, (x[indices], y[indices]), _Serial())
+    return players.state_dict()
+
+
+def test_a_step_that_drives_its_own_backward_and_optimizers_trains_as_the_serial_loop() -> None:
+    reference = serial_adversarial()
     for result in run_workers(_fit_adversarial, 2, timeout=150):
-        for name, value in players.state_dict().items():
+        for name, value in reference.items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
         assert set(result["history"]) == {"loss", "val_loss"}
