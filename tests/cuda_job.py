@@ -22,6 +22,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.data import epoch_plan
+from phalanx.train.loop import loader_for
 
 SAMPLES, FEATURES, CLASSES, GLOBAL_BATCH, EPOCHS = 2048, 32, 4, 128, 3
 
@@ -55,13 +56,8 @@ def weights_digest(net: nn.Module) -> str:
 
 
 def check_fit() -> dict[str, Any]:
-    net = model()
-    figures = fit(net)
-    loader = px.data.DistributedLoader(data(), GLOBAL_BATCH)
-    from phalanx.train.loop import loader_for
-
+    figures = fit(model())
     figures["pinned"] = bool(loader_for(data(), GLOBAL_BATCH, 0, shuffle=True).pin_memory)
-    figures["own_loader_pinned"] = bool(loader.pin_memory)
     return figures
 
 
