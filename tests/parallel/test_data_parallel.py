@@ -206,6 +206,16 @@ def test_small_local_batch_with_batchnorm_warns_once() -> None:
     assert len([w for w in caught if "sync_batchnorm=True" in str(w.message)]) == 1
 
 
+def test_sync_batchnorm_conversion_keeps_the_layers_device_and_dtype() -> None:
+    """A model moved before wrapping stays where it was (the GPU case: meta stands in for cuda)."""
+    for device, dtype in (("cpu", torch.float64), ("meta", torch.float32)):
+        model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4)).to(device, dtype)
+        converted = px.SyncBatchNorm.convert(model)[1]
+        assert isinstance(converted, px.SyncBatchNorm)
+        assert {(t.device.type, t.dtype) for t in (converted.weight, converted.bias, converted.running_mean,
+                                                     converted.running_var)} == {(device, dtype)}
+
+
 def _changing_global_batch(sample_counts: list[int]) -> dict:
     """SGD steps over global batches of varying size; note which steps summed the count separately."""
     model = px.DataParallel(_build("mlp", seed=100 + px.rank()))

@@ -52,10 +52,13 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
-        """Return ``module`` with every ``BatchNorm*d`` replaced by a :class:`SyncBatchNorm`."""
+        """Return ``module`` with every ``BatchNorm*d`` replaced by a :class:`SyncBatchNorm` on the
+        same device and in the same dtype (a model moved to its GPU before wrapping stays there)."""
         if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+            like = module.weight if module.weight is not None else module.running_mean
+            placement = {} if like is None else {"device": like.device, "dtype": like.dtype}
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats)
+                            module.track_running_stats, **placement)
             converted.load_state_dict(module.state_dict())
             converted.train(module.training)
             return converted
