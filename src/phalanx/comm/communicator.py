@@ -55,6 +55,8 @@ class Communicator(Collectives):
     #: the links measured for ``algorithm="auto"``, by group id: a new generation starts without
     links: dict[int, cost.Link] = dataclasses.field(default_factory=dict, init=False)
     closed: bool = dataclasses.field(default=False, init=False)
+    #: what runs first when the generation ends (a layer above stopping its threads on these groups)
+    closing: list[Callable[[], None]] = dataclasses.field(default_factory=list, init=False)
 
     @property
     def rank(self) -> int:  # type: ignore[override]
@@ -123,12 +125,15 @@ class Communicator(Collectives):
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
     def close(self) -> None:
-        """End this generation: stop its executors; later calls raise :class:`GenerationClosedError`.
+        """End this generation: run its ``closing`` callbacks (newest first), stop its executors; later
+        calls raise :class:`GenerationClosedError`.
 
         The process groups themselves are torn down by :mod:`phalanx.comm.runtime`, which owns the
         default group that the next generation replaces.
         """
         self.closed = True
+        for stop in reversed(self.closing):
+            stop()
         for executor in (self.shared_memory, self.messages):
             if executor is not None:
                 executor.close()

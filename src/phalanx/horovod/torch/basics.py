@@ -33,11 +33,23 @@ _OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "produ
 
 _layout: dict[str, Any] | None = None  # cross rank/size and homogeneity, agreed at init
 _on_shutdown: list[Callable[[], None]] = []  # what the other modules forget at shutdown (on_shutdown)
+_on_init: list[Callable[[], None]] = []  # what the other modules start with each generation (on_init)
 
 
 def on_shutdown(forget: Callable[[], None]) -> None:
     """Have ``shutdown`` call ``forget``: a module's state of this job (ops in flight) goes with it."""
     _on_shutdown.append(forget)
+
+
+def on_init(begin: Callable[[], None]) -> None:
+    """Have ``init`` (and every re-forming of an elastic job) call ``begin``, on every rank alike."""
+    _on_init.append(begin)
+
+
+def begin_generation() -> None:
+    """Start what the other modules run per generation of the job (collective: every rank calls it)."""
+    for begin in _on_init:
+        begin()
 
 
 def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> None:
@@ -58,6 +70,7 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
     runtime.init()
     refresh_layout()
     sets.setup(process_sets)
+    begin_generation()
 
 
 def shutdown() -> None:

@@ -95,6 +95,8 @@ def run(func: Callable[..., T]) -> Callable[..., T | None]:
             basics.refresh_layout()
             if calls:
                 process_sets.forget()
+            basics.begin_generation()  # the negotiation of this generation (a no-op when it runs already)
+            if calls:
                 state.on_reset()
             calls += 1
             return func(state, *args, **kwargs)

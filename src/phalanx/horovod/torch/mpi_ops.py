@@ -1,11 +1,12 @@
 """Horovod's collectives without autograd: asynchronous submission, integer handles, ``poll``, ``synchronize``.
 
-Each ``*_async`` launches a phalanx collective at once (in call order, as torch.distributed
-matches them) and returns an integer handle; ``synchronize(handle)`` waits and returns the
-result, or raises the operation's error (also one found when it started, as Horovod reports
-errors with results). The cross-rank check of phalanx's collectives makes mismatched shapes,
-dtypes, ops and roots raise :class:`HorovodMismatchError` on every rank; a name still in flight
-(submitted and not synchronized, failed or not) raises ``ValueError`` at once.
+Each ``*_async`` submits its operation to the negotiation (:mod:`~phalanx.horovod.torch.negotiation`)
+and returns an integer handle at once; the operation starts when every rank of its process set has
+submitted one of the same name (an unnamed one is named by its kind and how many of that kind the
+process set had before), so ranks may submit them in different orders. ``synchronize(handle)`` waits and returns the result, or
+raises the operation's error: ranks that disagree on dtype, shape, op or root all raise
+:class:`HorovodMismatchError`, with the same message. A name still in flight on this rank
+(submitted and not synchronized) raises ``ValueError`` at once, on this rank only.
 """
 
 from __future__ import annotations
@@ -16,26 +17,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from phalanx.comm import collectives
-from phalanx.errors import ConfigurationError, PhalanxError
-from phalanx.horovod.torch import basics, timeline
+from phalanx.comm import collectives, runtime
+from phalanx.errors import ConfigurationError
+from phalanx.horovod.torch import basics, negotiation, timeline
 from phalanx.horovod.torch.basics import Average, Sum
 from phalanx.horovod.torch.exceptions import horovod_errors
-from phalanx.horovod.torch.process_sets import ProcessSet, global_process_set, root_position, scope_of, set_size
+from phalanx.horovod.torch.process_sets import (
+    ProcessSet, global_process_set, members, negotiated_scope, root_position, scope_of, set_size)
 
-
-class _Failed:
-    """An operation that failed when it started: ``synchronize`` raises its error, as Horovod
-    reports a collective's error with its result (the name stays taken until then)."""
-
-    def __init__(self, error: PhalanxError):
-        self.error = error
-
-    def wait(self) -> Any:
-        raise self.error
-
-    def is_completed(self) -> bool:
-        return True
+Finish = Callable[[Any], Any]
 
 
 class AllOf:
@@ -56,8 +46,8 @@ class _Pending:
     kind: str
     name: str
     named: bool
-    work: Any
-    finish: Callable[[Any], Any]
+    work: negotiation.Negotiated
+    finish: Finish
     start_us: float
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -65,41 +55,56 @@ class _Pending:
 _pending: dict[int, _Pending] = {}
 _in_flight: dict[str, int] = {}
 _handles = itertools.count(1)
-_auto_names = itertools.count()
+_unnamed: dict[tuple[str, int], int] = {}  # unnamed operations submitted here, by kind and process set
 
 
-def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: Callable[[], Any],
-            finish: Callable[[Any], Any] = lambda result: result, tensors: Sequence[torch.Tensor] = ()) -> int:
-    """Launch a collective inside ``process_set``; return its handle."""
+def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negotiation.Launch,
+            finish: Finish = lambda result: result, tensors: Sequence[torch.Tensor] = (), **agreed: Any) -> int:
+    """Submit an operation of ``process_set`` to the negotiation; return its handle.
+
+    ``agreed``: what every rank must pass alike (op, scale factors, root), beside the tensors'
+    dtypes, shapes and devices.
+    """
     basics.require_init()
-    scope = scope_of(process_set)
+    scope_of(process_set)  # a registered set this rank belongs to
     if name is not None and name in _in_flight:
         raise ConfigurationError(
             f"Requested to {kind} a tensor with the same name '{name}' as another tensor that is currently being "
             "processed. Synchronize the first one before reusing its name, or give each a distinct name."
         )
-    details = {"shapes": [list(t.shape) for t in tensors], "dtype": str(tensors[0].dtype)} \
-        if timeline.active() and tensors else {}
-    start = timeline.now_us()
-    try:
-        with horovod_errors(), collectives.within(scope):
-            work = launch()
-    except PhalanxError as error:  # as in Horovod, the operation's error comes with its result
-        work = _Failed(error)
+    set_id = int(process_set.process_set_id or 0)
+    if name is None:  # the members of a set submit its unnamed operations of a kind in the same order
+        count = _unnamed[kind, set_id] = _unnamed.get((kind, set_id), -1) + 1
+        label = f"{kind}.noname.{count}"
+    else:
+        label = name
+    record = {"kind": kind, "ranks": members(process_set), "dtypes": [str(t.dtype) for t in tensors],
+              "shapes": [list(t.shape) for t in tensors], "devices": [t.device.type for t in tensors], **agreed}
+    details = {"shapes": record["shapes"], "dtype": record["dtypes"][0]} if timeline.active() and tensors else {}
+    submission = negotiation.Submission((set_id, label), record, launch)
     handle = next(_handles)
-    _pending[handle] = _Pending(kind, name or f"{kind}.noname.{next(_auto_names)}", name is not None, work,
-                                finish, start, details)
+    _pending[handle] = _Pending(kind, label, name is not None, negotiation.current().submit(submission), finish,
+                                timeline.now_us(), details)
     if name is not None:
         _in_flight[name] = handle
     return handle
 
 
+def start_negotiation() -> None:
+    """Start this generation's negotiation (``hvd.init``, and an elastic job's every re-forming)."""
+    negotiation.start(_stand_in, negotiated_scope)
+
+
 def forget() -> None:
-    """Drop every operation not synchronized yet (at shutdown: a fresh ``init`` starts clean)."""
+    """Leave the negotiation and drop every operation not synchronized yet (at shutdown: a fresh
+    ``init`` starts clean, its unnamed operations counted from zero on every rank)."""
+    negotiation.stop()
     _pending.clear()
     _in_flight.clear()
+    _unnamed.clear()
 
 
+basics.on_init(start_negotiation)
 basics.on_shutdown(forget)
 
 
@@ -124,6 +129,17 @@ def synchronize(handle: int) -> Any:
         if timeline.active():
             timeline.record(pending.kind.upper(), pending.name, pending.start_us, pending.details)
     return result
+
+
+def _stand_in(record: negotiation.Record) -> negotiation.Launch:
+    """A joined rank's part in an allreduce it did not submit: the same collectives, on zeros."""
+    device = runtime.device() if "cuda" in record["devices"] else torch.device("cpu")
+    zeros = [torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+             for shape, dtype in zip(record["shapes"], record["dtypes"])]
+    size, op = len(record["ranks"]), record["op"]
+    if record["kind"] == "allreduce":
+        return _allreduce_plan(zeros[0], zeros[0], op, record["prescale"], record["postscale"], size)[0]
+    return _grouped_allreduce_plan(zeros, zeros, op, record["prescale"], record["postscale"], size)[0]
 
 
 # --- allreduce -------------------------------------------------------------------------------
@@ -152,17 +168,25 @@ def _summed_then_scaled(op: str, dtype: torch.dtype, postscale: float, size: int
     return op, postscale
 
 
-def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None, op: str, prescale: float,
-                     postscale: float, process_set: ProcessSet) -> int:
-    op, postscale = _summed_then_scaled(op, tensor.dtype, postscale, set_size(process_set))
+def _allreduce_plan(tensor: torch.Tensor, output: torch.Tensor, op: str, prescale: float, postscale: float,
+                    size: int) -> tuple[negotiation.Launch, Finish]:
+    """How to start reducing ``tensor`` into ``output``, and what to do with the result."""
+    sent, after = _summed_then_scaled(op, tensor.dtype, postscale, size)
 
     def launch() -> Any:
         if output is not tensor:
             output.copy_(tensor)
         scale_(output, prescale)
-        return collectives.allreduce_(output, op, async_op=True)
+        return collectives.allreduce_(output, sent, async_op=True)
 
-    return _submit("allreduce", name, process_set, launch, _scaled(postscale), [tensor])
+    return launch, _scaled(after)
+
+
+def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None, op: str, prescale: float,
+                     postscale: float, process_set: ProcessSet) -> int:
+    launch, finish = _allreduce_plan(tensor, output, op, prescale, postscale, set_size(process_set))
+    return _submit("allreduce", name, process_set, launch, finish, [tensor], op=op, prescale=prescale,
+                   postscale=postscale)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -189,14 +213,14 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], name: str | None,
-                             op: str, prescale: float, postscale: float, process_set: ProcessSet) -> int:
+def _grouped_allreduce_plan(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: str,
+                            prescale: float, postscale: float, size: int) -> tuple[negotiation.Launch, Finish]:
     """One fused allreduce per (dtype, device) of the list, results copied into ``outputs``."""
     tensors, outputs = list(tensors), list(outputs)
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for index, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(index)
-    reductions = [_summed_then_scaled(op, dtype, postscale, set_size(process_set)) for dtype, _ in groups]
+    reductions = [_summed_then_scaled(op, dtype, postscale, size) for dtype, _ in groups]
     flats: list[torch.Tensor] = []
 
     def launch() -> AllOf:
@@ -212,7 +236,14 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[
                 outputs[i].copy_(piece.view_as(outputs[i]))
         return outputs
 
-    return _submit("grouped_allreduce", name, process_set, launch, finish, tensors)
+    return launch, finish
+
+
+def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], name: str | None,
+                             op: str, prescale: float, postscale: float, process_set: ProcessSet) -> int:
+    launch, finish = _grouped_allreduce_plan(tensors, outputs, op, prescale, postscale, set_size(process_set))
+    return _submit("grouped_allreduce", name, process_set, launch, finish, list(tensors), op=op, prescale=prescale,
+                   postscale=postscale)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -252,7 +283,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
     sparse = tensor.coalesce()
     factor = 1.0 / set_size(process_set) if op_name == "avg" else 1.0
     return _submit("sparse_allreduce", name, process_set, lambda: gather_sparse(sparse),
-                   lambda gathered: summed_sparse(gathered, sparse.shape, factor), [sparse.values()])
+                   lambda gathered: summed_sparse(gathered, sparse.shape, factor), [sparse.values()], op=op_name,
+                   dense_shape=list(sparse.shape))
 
 
 def gather_sparse(sparse: torch.Tensor) -> AllOf:
@@ -275,14 +307,15 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start concatenating every rank's tensor along dim 0 (first dimensions may differ)."""
     return _submit("allgather", name, process_set, lambda: collectives.allgather(tensor, async_op=True),
-                   tensors=[tensor])
+                   tensors=[tensor], ragged=True)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start allgathering each tensor of a list; ``synchronize`` returns the list of results."""
     return _submit("grouped_allgather", name, process_set,
-                   lambda: AllOf([collectives.allgather(t, async_op=True) for t in tensors]), tensors=list(tensors))
+                   lambda: AllOf([collectives.allgather(t, async_op=True) for t in tensors]), tensors=list(tensors),
+                   ragged=True)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -290,7 +323,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start copying the tensor of global rank ``root_rank`` to every rank of the set (into a new tensor)."""
     root = root_position(process_set, root_rank)
     return _submit("broadcast", name, process_set, lambda: collectives.broadcast(tensor, root, async_op=True),
-                   tensors=[tensor])
+                   tensors=[tensor], root_rank=root_rank)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -298,7 +331,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """Start overwriting ``tensor`` in place with global rank ``root_rank``'s."""
     root = root_position(process_set, root_rank)
     return _submit("broadcast", name, process_set, lambda: collectives.broadcast_(tensor, root, async_op=True),
-                   tensors=[tensor])
+                   tensors=[tensor], root_rank=root_rank)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -325,7 +358,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
         return AllOf([main, received])
 
     return _submit("alltoall", name, process_set, launch,
-                   lambda results: (results[0], results[1].to(torch.int32)), [tensor])
+                   lambda results: (results[0], results[1].to(torch.int32)), [tensor], ragged=True)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
@@ -339,7 +372,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
         work = tensor if prescale_factor == 1.0 else scale_(tensor.clone(), prescale_factor)
         return collectives.reduce_scatter(work, sent, async_op=True)
 
-    return _submit("reducescatter", name, process_set, launch, _scaled(after), [tensor])
+    return _submit("reducescatter", name, process_set, launch, _scaled(after), [tensor], op=op,
+                   prescale=prescale_factor, postscale=postscale_factor)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
@@ -355,7 +389,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
     return _submit("grouped_reducescatter", name, process_set, launch,
                    lambda shares: [scale_(share, after) for share, (_, after) in zip(shares, reductions)],
-                   list(tensors))
+                   list(tensors), op=op_name, prescale=prescale_factor, postscale=postscale_factor)
 
 
 def _reducescatter_op(op: int) -> str:
@@ -368,14 +402,19 @@ def _reducescatter_op(op: int) -> str:
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of the set has reached this point."""
-    synchronize(_submit("barrier", None, process_set, lambda: collectives.barrier(async_op=True)))
+    """Wait until every rank of the set has reached this point (the agreement is the barrier: nothing
+    else is sent)."""
+    synchronize(_submit("barrier", None, process_set, lambda: None))
 
 
 def join(device: int = -1) -> int:
     """This rank has run out of data: add zeros to the other ranks' allreduces (the optimizer's
-    included) until every rank has joined. Returns the rank that joined last. ``device`` is unused:
-    the zeros are made on this worker's device."""
+    included) until every rank has joined; their other collectives raise on *their* ranks meanwhile.
+    Returns the rank that joined last. ``device`` is unused: the zeros are made on this worker's device."""
     basics.require_init()
+    negotiator = negotiation.current()
+    joined = negotiator.join()  # negotiated allreduces get zeros, the others fail
     with horovod_errors():
-        return collectives.join()
+        last = collectives.join()  # so do the collectives run outside it (DistributedOptimizer's buckets)
+    negotiator.all_joined(joined)
+    return last

@@ -3,7 +3,8 @@
 Every rank must create the same sets in the same order (``hvd.init(process_sets=[...])``, or
 ``add_process_set`` called on every rank), because forming a group is collective over the job.
 A collective given ``process_set=`` runs inside :func:`phalanx.comm.collectives.within` the set's
-group, with the same checks, errors and averaging as over the whole job. A ``root_rank`` is a
+group, with the same checks, errors and averaging as over the whole job; its negotiated operations
+(:mod:`~phalanx.horovod.torch.negotiation`) run on a second pair of groups of its own. A ``root_rank`` is a
 global rank, as in Horovod (:func:`root_position` finds it in the set); ``ProcessSet.rank()`` is
 a position within the set.
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
+from phalanx.horovod.torch import negotiation
 
 logger = logging.getLogger(__name__)
 DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
@@ -44,6 +46,7 @@ class ProcessSet:
         self.process_set_id: int | None = None
         self.mpi_comm = None
         self._scope: collectives.Scope | None = None
+        self._negotiated: collectives.Scope | None = None  # the groups of its negotiated operations
 
     def size(self) -> int | None:
         """The number of ranks in the set (``None`` once removed)."""
@@ -65,7 +68,7 @@ class ProcessSet:
 
     def invalidate(self) -> None:
         """Forget the set (after ``remove_process_set``)."""
-        self.process_set_id, self.ranks, self._scope = None, None, None
+        self.process_set_id, self.ranks, self._scope, self._negotiated = None, None, None, None
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm=None)"
@@ -124,11 +127,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise ConfigurationError(
             "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 or call hvd.init(process_sets='dynamic') to remove process sets."
         )
-    scope = process_set._scope
+    scopes = [process_set._scope, process_set._negotiated]
     del _registry[process_set.process_set_id]
     process_set.invalidate()
-    if scope is not None and runtime.rank() in scope.ranks:
-        _destroy(scope)
+    for scope in scopes:
+        if scope is not None and runtime.rank() in scope.ranks:
+            _destroy(scope)
     return True
 
 
@@ -148,6 +152,17 @@ def scope_of(process_set: ProcessSet) -> collectives.Scope | None:
     return process_set._scope
 
 
+def negotiated_scope(process_set_id: int) -> collectives.Scope | None:
+    """The groups that process set ``process_set_id``'s negotiated operations run on (``None`` in a
+    world of one)."""
+    return _registry[process_set_id]._negotiated
+
+
+def members(process_set: ProcessSet) -> list[int]:
+    """The global ranks of ``process_set``."""
+    return list(range(runtime.size())) if process_set.process_set_id == 0 else list(process_set.ranks or [])
+
+
 def position(process_set: ProcessSet) -> int:
     """This rank's position in ``process_set`` (its rank, for the global set)."""
     return int(process_set.rank() or 0)
@@ -155,7 +170,7 @@ def position(process_set: ProcessSet) -> int:
 
 def root_position(process_set: ProcessSet, root_rank: int) -> int:
     """The position in ``process_set`` of the global rank ``root_rank`` (the same on every rank)."""
-    ranks = list(range(runtime.size())) if process_set.process_set_id == 0 else (process_set.ranks or [])
+    ranks = members(process_set)
     if root_rank not in ranks:
         raise ConfigurationError(
             f"root_rank {root_rank} is not a member of {process_set}: a root is a global rank of one of its members.")
@@ -182,6 +197,7 @@ def _register(process_set: ProcessSet) -> ProcessSet:
         cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
         device = dist.new_group(ranks, timeout=timeout) if dist.get_backend() == "nccl" else cpu
         process_set._scope = collectives.Scope(tuple(ranks), cpu, device)
+    process_set._negotiated = negotiation.scope_for(ranks, dist.get_backend(), runtime.timeout())
     process_set.process_set_id = _next_id
     _registry[_next_id] = process_set
     _next_id += 1

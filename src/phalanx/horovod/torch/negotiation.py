@@ -1,0 +1,377 @@
+"""Horovod's negotiation: operations are matched across ranks by name, not by the order of the calls.
+
+A background thread on every rank meets the others' once per cycle, over a Gloo group of its own,
+and hands over what its process submitted since the last cycle: one JSON record per operation (its
+kind, process set, dtypes, shapes, reduction, root), never code. Every rank then holds the same
+table and reaches the same decisions in the same order:
+
+- an operation is *ready* when every member of its process set has submitted it; a rank inside
+  ``hvd.join()`` counts as having submitted every allreduce, and reduces zeros;
+- a ready operation whose records disagree (dtype, shape, op, root, kind), or that a joined rank
+  cannot take part in, fails on every rank that submitted it with the same message; nothing is sent;
+- the others are launched in the table's order on groups of their own (:func:`scope_for`), so they
+  never interleave with the collectives the rest of phalanx runs from the user's thread.
+
+Leaving (``hvd.shutdown()``, or the end of the generation or process) is collective, like MPI's
+finalize: a rank that leaves keeps taking part in the cycles until every rank has left (at most the
+job's timeout), so the others may go on with operations that do not need it; those that need it
+fail on every rank that submitted them, naming it. A lost peer fails every waiting operation with
+:class:`HorovodTimeoutError`. Cycles back off to 10 ms while nothing moves, and a submission wakes
+its own rank's thread at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import collectives, runtime
+from phalanx.comm.communicator import Communicator
+from phalanx.errors import PhalanxError
+from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismatchError, HorovodTimeoutError
+
+logger = logging.getLogger(__name__)
+
+MAX_PAUSE_S = 0.01  # the longest sleep between cycles while nothing moves
+JOINABLE = ("allreduce", "grouped_allreduce")  # what a joined rank takes part in, with zeros
+Key = tuple[int, str]  # (process set id, operation name)
+Record = dict[str, Any]
+Launch = Callable[[], Any]  # starts the collectives of one operation; returns what to wait on (or None)
+
+
+@dataclass
+class Submission:
+    """One operation of this rank: what it tells the others, and how to start it once agreed."""
+
+    key: Key
+    record: Record
+    launch: Launch
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class Negotiated:
+    """What ``synchronize`` waits on: the agreement, then the collectives it launched."""
+
+    def __init__(self, negotiator: Negotiator, submission: Submission):
+        self.negotiator, self.submission = negotiator, submission
+
+    def wait(self) -> Any:
+        launched = self.negotiator.launched(self.submission)
+        return None if launched is None else launched.wait()
+
+    def is_completed(self) -> bool:
+        future = self.submission.future
+        if not future.done():
+            return False
+        if future.exception() is not None:
+            return True
+        launched = future.result()
+        return launched is None or bool(launched.is_completed())
+
+
+class _AllLeft(Exception):
+    """Every rank has left: the negotiation ends."""
+
+
+class Negotiator:
+    """The negotiation of one generation of the job (see the module's docstring)."""
+
+    def __init__(self, communicator: Communicator, stand_in: Callable[[Record], Launch],
+                 set_scope: Callable[[int], collectives.Scope | None]):
+        self.communicator, self.stand_in, self.set_scope = communicator, stand_in, set_scope
+        self.rank, self.size, self.timeout_s = communicator.rank, communicator.size, communicator.timeout_s
+        self._whole_job = scope_for(list(range(self.size)), communicator.backend, self.timeout_s)
+        self._stand_ins: list[Any] = []  # a joined rank's zeros in flight
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._outbox: list[Submission] = []
+        self._join_requested = self._leaving = False
+        self._left: set[int] = set()  # ranks that have left (hvd.shutdown())
+        self._mine: dict[Key, Submission] = {}  # submitted here, not settled yet
+        self._table: dict[Key, dict[int, Record]] = {}  # the same on every rank, in order of first sight
+        self._joined: set[int] = set()  # ranks inside hvd.join()
+        self._join: concurrent.futures.Future | None = None
+        self._ended: PhalanxError | None = None
+        self._thread: threading.Thread | None = None
+        if self.size > 1:  # alone, every operation is agreed as it is submitted
+            self._control = dist.new_group(list(range(self.size)), backend="gloo",
+                                           timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._thread = threading.Thread(target=self._serve, name="phalanx-horovod-negotiation", daemon=True)
+            self._thread.start()
+            communicator.closing.append(self.close)
+
+    # --- the caller's side --------------------------------------------------------------------
+
+    def submit(self, submission: Submission) -> Negotiated:
+        """Queue ``submission`` for the next cycle; its handle completes once every rank agreed."""
+        if self._thread is None:
+            self._table[submission.key] = {self.rank: submission.record}
+            self._mine[submission.key] = submission
+            self._settle_ready()
+            return Negotiated(self, submission)
+        with self._lock:
+            if self._ended is not None:
+                submission.future.set_exception(self._ended)
+            else:
+                self._outbox.append(submission)
+        self._wake.set()
+        return Negotiated(self, submission)
+
+    def join(self) -> concurrent.futures.Future:
+        """Declare this rank joined; the future completes once every rank has."""
+        with self._lock:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            if self._thread is None:
+                future.set_result(None)
+                return future
+            if self._ended is not None:
+                future.set_exception(self._ended)
+                return future
+            self._join, self._join_requested = future, True
+        self._wake.set()
+        return future
+
+    def all_joined(self, joined: concurrent.futures.Future) -> None:
+        """Wait for :meth:`join`'s future: every rank has joined (or the negotiation's error)."""
+        try:
+            joined.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise HorovodTimeoutError(f"hvd.join() on rank {self.rank}: not every rank joined within "
+                                      f"{self.timeout_s:.0f}s; rank(s) {sorted(set(range(self.size)) - self._joined)} "
+                                      "did not call hvd.join().") from None
+
+    def launched(self, submission: Submission) -> Any:
+        """What ``submission`` launched, once agreed; its error, or a timeout naming the missing ranks."""
+        try:
+            return submission.future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            kind, name = submission.record["kind"], submission.key[1]
+            missing = sorted(set(submission.record["ranks"]) - set(self._table.get(submission.key, {})))
+            raise HorovodTimeoutError(
+                f"{kind} '{name}' on rank {self.rank}: rank(s) {missing} did not submit an operation of that name "
+                f"within {self.timeout_s:.0f}s. Every rank of the process set must submit it (names are matched "
+                "across ranks; an unnamed operation is named by its kind and how many of that kind the set had before)."
+            ) from None
+
+    def close(self) -> None:
+        """Leave, and take part in the cycles until every rank has (at most the job's timeout)."""
+        with self._lock:
+            self._leaving = True
+        self._wake.set()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
+                logger.warning("hvd.shutdown() on rank %d: rank(s) %s did not shut down Horovod within %.0fs; "
+                               "leaving without them.", self.rank, sorted(set(range(self.size)) - self._left),
+                               self.timeout_s)
+
+    def scope(self, set_id: int) -> collectives.Scope | None:
+        """The groups the operations of process set ``set_id`` run on (0: the whole job; ``None``
+        in a world of one, where every collective completes at once)."""
+        return self._whole_job if set_id == 0 else self.set_scope(set_id)
+
+    # --- the background thread ----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        pause = 0.0
+        try:
+            while True:
+                if pause:
+                    self._wake.wait(pause)
+                self._wake.clear()
+                moved = self._one_cycle()
+                pause = 0.0 if moved else min(max(2 * pause, 1e-4), MAX_PAUSE_S)
+        except _AllLeft:
+            self._end(HorovodInternalError(f"Horovod was shut down on rank {self.rank}: call hvd.init() first."))
+        except Exception as failure:  # noqa: BLE001 - a lost peer, a torn-down group: every waiter hears of it
+            logger.debug("horovod negotiation on rank %d ended", self.rank, exc_info=True)
+            self._end(HorovodTimeoutError(
+                f"Horovod's negotiation on rank {self.rank} failed: a peer died or stopped answering "
+                f"({str(failure).splitlines()[0] if str(failure) else type(failure).__name__})."))
+
+    def _one_cycle(self) -> bool:
+        """Exchange what is new, update the shared table, settle what is ready. Whether anything moved."""
+        with self._lock:
+            outgoing, self._outbox = self._outbox, []
+            joining, self._join_requested = self._join_requested, False
+            leaving, self._leaving = self._leaving, False  # said once
+        for submission in outgoing:
+            self._mine[submission.key] = submission
+        message: dict[str, Any] = {}
+        if outgoing:
+            message["ops"] = [[s.key[0], s.key[1], s.record] for s in outgoing]
+        if joining:
+            message["join"] = 1
+        if leaving:
+            message["leave"] = 1
+        received = self._exchange(json.dumps(message).encode() if message else b"")
+        for rank, raw in enumerate(received):
+            if raw:
+                self._take(rank, json.loads(raw))
+        if len(self._left) == self.size:
+            raise _AllLeft()
+        settled = self._settle_ready()
+        self._finish_join()
+        return settled or any(received)
+
+    def _take(self, rank: int, message: dict[str, Any]) -> None:
+        for set_id, name, record in message.get("ops", []):
+            self._table.setdefault((set_id, name), {})[rank] = record
+        if message.get("join"):
+            self._joined.add(rank)
+        if message.get("leave"):
+            self._left.add(rank)
+
+    def _exchange(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload`` (one allgather of the lengths, one of the bytes when any has some)."""
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), group=self._control)
+        longest = max(int(length) for length in lengths)
+        if longest == 0:
+            return [b""] * self.size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(everyone, mine, group=self._control)
+        return [buffer[:int(length)].numpy().tobytes() for buffer, length in zip(everyone, lengths)]
+
+    def _settle_ready(self) -> bool:
+        settled = False
+        for key in list(self._table):
+            records = self._table[key]
+            first = next(iter(records.values()))
+            missing = [r for r in first["ranks"] if r not in records]
+            if any(r not in self._joined and r not in self._left for r in missing):
+                continue  # a rank that is still running has not submitted it yet
+            del self._table[key]
+            gone = [r for r in missing if r in self._left]
+            self._settle(key, records, missing, _disagreement(records, missing, gone))
+            settled = True
+        return settled
+
+    def _settle(self, key: Key, records: dict[int, Record], joined: list[int], error: str | None) -> None:
+        mine = self._mine.pop(key, None)
+        if mine is not None:
+            if error is not None:
+                kind = mine.record["kind"]
+                mine.future.set_exception(HorovodMismatchError(f"{kind} '{key[1]}' on rank {self.rank}: {error}"))
+                return
+            try:
+                with collectives.within(self.scope(key[0])):
+                    mine.future.set_result(mine.launch())
+            except Exception as failure:  # noqa: BLE001 - the caller's synchronize raises it
+                mine.future.set_exception(failure)
+        elif self.rank in joined and error is None:
+            try:
+                with collectives.within(self.scope(key[0])):
+                    self._stand_ins.append(self.stand_in(next(iter(records.values())))())
+            except Exception:  # noqa: BLE001 - the others see the failure in their own collective
+                logger.warning("rank %d could not take part with zeros in %s", self.rank, key[1], exc_info=True)
+
+    def _finish_join(self) -> None:
+        if len(self._joined) < self.size:
+            return
+        self._joined.clear()
+        for work in self._stand_ins:
+            work.wait()
+        self._stand_ins.clear()
+        with self._lock:
+            future, self._join = self._join, None
+        if future is not None:
+            future.set_result(None)
+
+    def _end(self, error: PhalanxError) -> None:
+        with self._lock:
+            self._ended = error
+            waiting = [*self._mine.values(), *self._outbox]
+            self._mine, self._outbox = {}, []
+            future, self._join = self._join, None
+        for submission in waiting:
+            if not submission.future.done():
+                submission.future.set_exception(error)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+
+def _disagreement(records: dict[int, Record], joined: list[int], gone: list[int]) -> str | None:
+    """Why the ranks' records of an operation cannot run together (the same text on every rank), or None."""
+    ranks = sorted(records)
+    first = records[ranks[0]]
+    kind = first["kind"]
+    if gone:
+        return f"rank(s) {gone} have shut down Horovod (hvd.shutdown()) before submitting it."
+    if joined and kind not in JOINABLE:
+        return (f"rank(s) {joined} have joined (hvd.join()) and take part only in allreduces until every rank "
+                f"has joined. Call {kind} before join(), or after it has returned on every rank.")
+    for rank in ranks[1:]:
+        other = records[rank]
+        for what in sorted(set(first) | set(other)):
+            if _comparable(first, what) != _comparable(other, what):
+                label, mine, theirs = _shown(what, first.get(what), other.get(what))
+                return (f"Mismatched {label}: rank {ranks[0]} has {label}={mine}, rank {rank} has {label}={theirs}. "
+                        f"Every rank must call it with the same {label} (names are matched across ranks).")
+    return None
+
+
+def _shown(what: str, mine: Any, theirs: Any) -> tuple[str, Any, Any]:
+    """A field as the user wrote it: a single tensor's shape, dtype or device rather than a list of one."""
+    if what in ("shapes", "dtypes", "devices") and len(mine or ()) == len(theirs or ()) == 1:
+        return what[:-1], mine[0], theirs[0]
+    return what, mine, theirs
+
+
+def _comparable(record: Record, what: str) -> Any:
+    """A record's field as it must agree: shapes without their first dimension where rows may differ."""
+    value = record.get(what)
+    if what == "shapes" and record.get("ragged"):
+        return [[len(shape), *shape[1:]] for shape in value]
+    return value
+
+
+def scope_for(ranks: list[int], backend: str, timeout_s: float) -> collectives.Scope | None:
+    """New groups over ``ranks`` for negotiated operations (collective over the whole job); ``None``
+    in a world of one, which has no groups."""
+    if not dist.is_initialized():
+        return None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    device = dist.new_group(ranks, timeout=timeout) if backend == "nccl" else cpu
+    return collectives.Scope(tuple(ranks), cpu, device)
+
+
+_current: Negotiator | None = None
+
+
+def start(stand_in: Callable[[Record], Launch], set_scope: Callable[[int], collectives.Scope | None]) -> Negotiator:
+    """The negotiator of the current generation: made at ``hvd.init`` and after an elastic re-forming
+    (collective: every rank calls it), kept while the generation lasts."""
+    global _current
+    communicator = runtime.communicator()
+    if _current is None or _current.communicator is not communicator:
+        if _current is not None:
+            _current.close()
+        _current = Negotiator(communicator, stand_in, set_scope)
+    return _current
+
+
+def current() -> Negotiator:
+    if _current is None or _current.communicator is not runtime.communicator():
+        raise HorovodInternalError("Horovod's negotiation is not running: call hvd.init() on every rank.")
+    return _current
+
+
+def stop() -> None:
+    """Leave (``hvd.shutdown``): every rank's negotiation ends."""
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None
