@@ -37,7 +37,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     """Run ``fn(*args)`` on ``world_size`` workers; return their results in rank order.
 
     With ``expect_failure=True`` an exception on a rank is returned (as its formatted traceback
-    string) instead of failing the test, so tests can assert on the errors every rank saw.
+    string) instead of failing the test, so tests can assert on the errors every rank saw; a rank
+    that died without a result returns ``"died with exit code N"``.
     """
     logs = [tempfile.NamedTemporaryFile(prefix=f"phalanx-rank{r}-", suffix=".log", delete=False).name
             for r in range(world_size)]
@@ -91,7 +92,9 @@ def _check_alive(procs: list, results: Any, outcome: dict, logs: list[str], expe
                     _record(results.get_nowait(), outcome, logs, expect_failure)
                 except queue_module.Empty:
                     break
-            if rank not in outcome:
+            if rank not in outcome and expect_failure:
+                outcome[rank] = ("died", f"died with exit code {proc.exitcode}")
+            elif rank not in outcome:
                 raise WorkersFailed(_report(f"rank {rank} exited with code {proc.exitcode} and no result",
                                             outcome, logs))
 

@@ -417,4 +417,5 @@ def join(device: int = -1) -> int:
     with horovod_errors():
         last = collectives.join()  # so do the collectives run outside it (DistributedOptimizer's buckets)
     negotiator.all_joined(joined)
+    _unnamed.clear()  # every rank is here: unnamed operations the joined ones never made are forgotten
     return last

@@ -314,7 +314,7 @@ def _disagreement(records: dict[int, Record], joined: list[int], gone: list[int]
                 f"has joined. Call {kind} before join(), or after it has returned on every rank.")
     for rank in ranks[1:]:
         other = records[rank]
-        for what in sorted(set(first) | set(other)):
+        for what in ["kind", *sorted(set(first) | set(other) - {"kind"})]:
             if _comparable(first, what) != _comparable(other, what):
                 label, mine, theirs = _shown(what, first.get(what), other.get(what))
                 return (f"Mismatched {label}: rank {ranks[0]} has {label}={mine}, rank {rank} has {label}={theirs}. "

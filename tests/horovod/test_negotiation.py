@@ -1,0 +1,205 @@
+"""Horovod's negotiation, from its documentation: operations are matched by name across ranks, not
+by call order; an error any rank can hit is raised on every rank, which all stay in step; leaving
+is collective; a lost peer is an error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.harness import run_workers
+
+
+def _raised(call) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank saw
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _out_of_order() -> dict:
+    """Ranks submit named operations in opposite orders; one rank submits while the other waits in
+    a barrier; a second operation of a name in flight is refused on the rank that made it."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    names = [f"t{k}" for k in range(4)]
+    order = names if r % 2 == 0 else names[::-1]
+    handles = {name: hvd.allreduce_async(torch.full((3,), float(k + 10 * r)), name=name, op=hvd.Sum)
+               for k, name in ((names.index(name), name) for name in order)}
+    sums = {name: hvd.synchronize(handle).tolist() for name, handle in handles.items()}
+    out: dict = {"sums": sums, "kinds": {}}
+    # Different kinds, submitted in opposite orders too, each named.
+    work = [("gather", lambda: hvd.allgather_async(torch.tensor([r]), name="gather")),
+            ("cast", lambda: hvd.broadcast_async(torch.tensor([r * 1.0]), root_rank=n - 1, name="cast"))]
+    started = {name: submit() for name, submit in (work if r == 0 else work[::-1])}
+    out["kinds"] = {name: hvd.synchronize(handle).tolist() for name, handle in started.items()}
+    # Horovod's duplicate-name test: rank 0 submits while the others sit in a barrier, then they do.
+    stranded = None
+    if r == 0:
+        stranded = hvd.allgather_async(torch.ones(2), name="duplicate")
+        out["duplicate"] = _raised(lambda: hvd.allgather_async(torch.ones(2), name="duplicate"))
+    hvd.barrier()
+    if r != 0:
+        stranded = hvd.allgather_async(torch.ones(2), name="duplicate")
+        out["duplicate"] = _raised(lambda: hvd.allgather_async(torch.ones(2), name="duplicate"))
+    hvd.barrier()
+    out["stranded"] = hvd.synchronize(stranded).shape[0]
+    out["after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    hvd.shutdown()
+    return out
+
+
+def test_named_operations_are_matched_by_name_in_any_order() -> None:
+    n = 2
+    for r, out in enumerate(run_workers(_out_of_order, n)):
+        for k in range(4):
+            assert out["sums"][f"t{k}"] == [float(2 * k + 10)] * 3, (r, out["sums"])
+        assert out["kinds"] == {"gather": [0, 1], "cast": [1.0]}
+        assert out["duplicate"].startswith("ConfigurationError") and "'duplicate'" in out["duplicate"]
+        assert out["stranded"] == 2 * n and out["after"] == n
+
+
+def _disagreements() -> dict:
+    """Each disagreement raises on every rank with the same words; the next call works."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    cases = {
+        "dtype": lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32 if r == 0 else torch.float32)),
+        "average_of_ints_vs_floats": lambda: hvd.reducescatter(torch.ones(4, dtype=torch.int64 if r else torch.float32)),
+        "shape": lambda: hvd.allgather(torch.ones(2, 3 + r)),
+        "root": lambda: hvd.broadcast(torch.ones(2), root_rank=r),
+        "op": lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r else hvd.Max, name="op"),
+        "kind": lambda: (hvd.allreduce if r else hvd.allgather)(torch.ones(2), name="same"),
+    }
+    out = {}
+    for case, call in cases.items():
+        out[case] = _raised(call)
+        out[f"{case}_then"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    hvd.shutdown()
+    return out
+
+
+def test_a_disagreement_raises_on_every_rank_and_all_stay_in_step() -> None:
+    first, second = run_workers(_disagreements, 2)
+    for case in ("dtype", "average_of_ints_vs_floats", "shape", "root", "op", "kind"):
+        for rank, out in enumerate((first, second)):
+            assert out[case].startswith("HorovodMismatchError"), (case, out[case])
+            assert f"on rank {rank}:" in out[case] and "Mismatched" in out[case], out[case]
+            assert out[f"{case}_then"] == 2.0
+        # the same explanation everywhere, only the raising rank differs
+        assert first[case].split(":", 2)[2] == second[case].split(":", 2)[2], case
+    assert "dtype=torch.int32" in first["dtype"] and "dtype=torch.float32" in first["dtype"]
+    assert "shape=[2, 3]" in first["shape"] and "shape=[2, 4]" in first["shape"]  # rows may differ, not columns
+    assert "root_rank=0" in first["root"] and "kind=allgather" in first["kind"]
+
+
+def _sets_and_leaving() -> dict:
+    """Ranks outside a set shut down early; the set's members go on; a shutdown and init give
+    everyone a fresh, working negotiation."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init(process_sets="dynamic")
+    r = hvd.rank()
+    odd = hvd.add_process_set([1, 3])
+    out = {}
+    if odd.included():
+        time.sleep(0.5)  # the others have shut down by now
+        out["set_sum"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=odd).item()
+        out["needs_rank_0"] = _raised(lambda: hvd.allreduce(torch.ones(1), name="all"))
+    hvd.shutdown()
+    hvd.init()
+    out["fresh"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    hvd.shutdown()
+    return out
+
+
+def test_leaving_is_collective_and_a_new_init_starts_afresh() -> None:
+    results = run_workers(_sets_and_leaving, 4, timeout=120)
+    for r, out in enumerate(results):
+        assert out["fresh"] == 4.0
+        if r in (1, 3):
+            assert out["set_sum"] == 4.0
+            assert out["needs_rank_0"].startswith("HorovodMismatchError") and "[0, 2] have shut down" in \
+                out["needs_rank_0"], out["needs_rank_0"]
+
+
+def _join_with_other_kinds() -> dict:
+    """While rank 0 is in join(), the others' allreduces get its zeros and their allgathers raise
+    on *their* ranks; join() returns the rank that joined last, everywhere."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    if r == 0:
+        out["last"] = hvd.join()
+    else:
+        out["sum"] = hvd.allreduce(torch.tensor([2.0]), op=hvd.Sum, name="while_joined").item()
+        out["gather"] = _raised(lambda: hvd.allgather(torch.ones(1)))
+        out["last"] = hvd.join()
+    out["after"] = hvd.allgather(torch.tensor([r])).tolist()
+    hvd.shutdown()
+    return out
+
+
+def test_a_joined_rank_adds_zeros_and_refuses_the_rest_on_the_callers() -> None:
+    results = run_workers(_join_with_other_kinds, 3)
+    for r, out in enumerate(results):
+        assert out["last"] in (1, 2) and out["last"] == results[0]["last"]
+        assert out["after"] == [0, 1, 2]
+        if r:
+            assert out["sum"] == 4.0  # ranks 1 and 2, and rank 0's zeros
+            assert out["gather"].startswith("HorovodMismatchError") and "[0] have joined" in out["gather"]
+
+
+def _missing_rank() -> dict:
+    """Rank 1 never submits the name rank 0 waits for: a timeout naming rank 1; then rank 1 dies
+    while rank 0 waits for another: an error well before the timeout."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    if r == 0:
+        started = time.monotonic()
+        out["never"] = _raised(lambda: hvd.allreduce(torch.ones(1), name="only_on_0"))
+        out["never_s"] = time.monotonic() - started
+    else:
+        time.sleep(4.5)  # rank 0 waits out its timeout meanwhile
+    hvd.barrier()
+    if r == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    out["dead"] = _raised(lambda: hvd.allreduce(torch.ones(1), name="after_death"))
+    out["dead_s"] = time.monotonic() - started
+    return out
+
+
+def test_a_missing_or_dead_rank_is_an_error_naming_it_not_a_hang() -> None:
+    out, dead = run_workers(_missing_rank, 2, collective_timeout=4, timeout=60, expect_failure=True)
+    assert dead == "died with exit code -9" and isinstance(out, dict), (out, dead)
+    assert out["never"].startswith("HorovodTimeoutError") and "rank(s) [1] did not submit" in out["never"], out
+    assert 3.5 < out["never_s"] < 8
+    assert out["dead"].startswith("HorovodTimeoutError") and out["dead_s"] < 3.5, out
+
+
+def _world_of_one() -> list:
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    handles = [hvd.allreduce_async(torch.ones(2), name=f"x{k}") for k in range(3)]
+    return [hvd.synchronize(h).tolist() for h in handles] + [hvd.join()]
+
+
+@pytest.mark.parametrize("n", [1])
+def test_a_world_of_one_agrees_at_once(n: int) -> None:
+    assert run_workers(_world_of_one, n)[0] == [[1.0, 1.0]] * 3 + [0]
