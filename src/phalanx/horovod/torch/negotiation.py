@@ -16,8 +16,13 @@ Leaving (``hvd.shutdown()``, or the end of the generation or process) is collect
 finalize: a rank that leaves keeps taking part in the cycles until every rank has left (at most the
 job's timeout), so the others may go on with operations that do not need it; those that need it
 fail on every rank that submitted them, naming it. A lost peer fails every waiting operation with
-:class:`HorovodTimeoutError`. Cycles back off to 10 ms while nothing moves, and a submission wakes
-its own rank's thread at once.
+:class:`HorovodTimeoutError`.
+
+Cycles cost nothing while nothing moves: after a cycle in which no rank had news, every thread waits
+on the same numbered key of the job's store (a doorbell), and a rank with news (a submission, a
+join, leaving) sets it; a rank waiting in ``synchronize`` rings it once a second, so a peer that
+died shows as a failed cycle within a second. Where the job has no store (a process group made by someone else),
+idle threads poll instead, backing off to 10 ms.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,7 +46,9 @@ from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismat
 
 logger = logging.getLogger(__name__)
 
-MAX_PAUSE_S = 0.01  # the longest sleep between cycles while nothing moves
+MAX_PAUSE_S = 0.01  # without a store: the longest sleep between idle cycles
+BELL_WAIT = datetime.timedelta(days=1)  # a doorbell wait's timeout: rung long before (torch logs each one)
+LIVENESS_S = 1.0  # a rank that waits for an operation rings a cycle this often, to notice a dead peer
 JOINABLE = ("allreduce", "grouped_allreduce")  # what a joined rank takes part in, with zeros
 Key = tuple[int, str]  # (process set id, operation name)
 Record = dict[str, Any]
@@ -101,6 +109,10 @@ class Negotiator:
         self._join: concurrent.futures.Future | None = None
         self._ended: PhalanxError | None = None
         self._thread: threading.Thread | None = None
+        store = communicator.store if hasattr(communicator.store, "clone") else None
+        # The doorbell: one store connection for the thread's waits, one for the callers' rings.
+        self._bell = (store.clone(), store.clone()) if store is not None else None
+        self._bell_prefix, self._bells, self._armed = f"{communicator.prefix}horovod/bell/", 0, ""
         if self.size > 1:  # alone, every operation is agreed as it is submitted
             self._control = dist.new_group(list(range(self.size)), backend="gloo",
                                            timeout=datetime.timedelta(seconds=self.timeout_s))
@@ -122,7 +134,7 @@ class Negotiator:
                 submission.future.set_exception(self._ended)
             else:
                 self._outbox.append(submission)
-        self._wake.set()
+                self._ring()
         return Negotiated(self, submission)
 
     def join(self) -> concurrent.futures.Future:
@@ -136,36 +148,45 @@ class Negotiator:
                 future.set_exception(self._ended)
                 return future
             self._join, self._join_requested = future, True
-        self._wake.set()
+            self._ring()
         return future
 
     def all_joined(self, joined: concurrent.futures.Future) -> None:
         """Wait for :meth:`join`'s future: every rank has joined (or the negotiation's error)."""
-        try:
-            joined.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
+        if not self._awaited(joined):
             raise HorovodTimeoutError(f"hvd.join() on rank {self.rank}: not every rank joined within "
                                       f"{self.timeout_s:.0f}s; rank(s) {sorted(set(range(self.size)) - self._joined)} "
-                                      "did not call hvd.join().") from None
+                                      "did not call hvd.join().")
 
     def launched(self, submission: Submission) -> Any:
         """What ``submission`` launched, once agreed; its error, or a timeout naming the missing ranks."""
-        try:
-            return submission.future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            kind, name = submission.record["kind"], submission.key[1]
-            missing = sorted(set(submission.record["ranks"]) - set(self._table.get(submission.key, {})))
-            raise HorovodTimeoutError(
-                f"{kind} '{name}' on rank {self.rank}: rank(s) {missing} did not submit an operation of that name "
-                f"within {self.timeout_s:.0f}s. Every rank of the process set must submit it (names are matched "
-                "across ranks; an unnamed operation is named by its kind and how many of that kind the set had before)."
-            ) from None
+        if self._awaited(submission.future):
+            return submission.future.result()
+        kind, name = submission.record["kind"], submission.key[1]
+        missing = sorted(set(submission.record["ranks"]) - set(self._table.get(submission.key, {})))
+        raise HorovodTimeoutError(
+            f"{kind} '{name}' on rank {self.rank}: rank(s) {missing} did not submit an operation of that name "
+            f"within {self.timeout_s:.0f}s. Every rank of the process set must submit it (names are matched "
+            "across ranks; an unnamed operation is named by its kind and how many of that kind the set had before).")
+
+    def _awaited(self, future: concurrent.futures.Future) -> bool:
+        """Whether ``future`` completed within the job's timeout. Each second without, a cycle is
+        rung: a peer that died meanwhile fails it at once instead of after the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                future.exception(timeout=min(LIVENESS_S, left))
+                return True
+            except concurrent.futures.TimeoutError:
+                with self._lock:
+                    self._ring()
+        return future.done()
 
     def close(self) -> None:
         """Leave, and take part in the cycles until every rank has (at most the job's timeout)."""
         with self._lock:
             self._leaving = True
-        self._wake.set()
+            self._ring()
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(self.timeout_s)
             if self._thread.is_alive():
@@ -180,15 +201,26 @@ class Negotiator:
 
     # --- the background thread ----------------------------------------------------------------
 
+    def _ring(self) -> None:
+        """Wake every rank's thread (under the lock: a caller has news)."""
+        if self._bell is None:
+            self._wake.set()
+        elif self._armed:
+            self._bell[1].set(self._armed, "1")
+            self._armed = ""
+
     def _serve(self) -> None:
         pause = 0.0
         try:
             while True:
-                if pause:
+                if self._one_cycle():
+                    pause = 0.0
+                elif self._bell is not None:
+                    self._idle(self._bell[0])
+                else:
+                    pause = min(max(2 * pause, 1e-4), MAX_PAUSE_S)
                     self._wake.wait(pause)
-                self._wake.clear()
-                moved = self._one_cycle()
-                pause = 0.0 if moved else min(max(2 * pause, 1e-4), MAX_PAUSE_S)
+                    self._wake.clear()
         except _AllLeft:
             self._end(HorovodInternalError(f"Horovod was shut down on rank {self.rank}: call hvd.init() first."))
         except Exception as failure:  # noqa: BLE001 - a lost peer, a torn-down group: every waiter hears of it
@@ -196,6 +228,23 @@ class Negotiator:
             self._end(HorovodTimeoutError(
                 f"Horovod's negotiation on rank {self.rank} failed: a peer died or stopped answering "
                 f"({str(failure).splitlines()[0] if str(failure) else type(failure).__name__})."))
+
+    def _idle(self, bell: Any) -> None:
+        """No rank had news: wait on this round's doorbell key until a rank rings it (every rank's
+        thread waits on the same key, since every rank saw the same quiet cycle)."""
+        key = f"{self._bell_prefix}{self._bells}"
+        if self.rank == 0 and self._bells:
+            bell.delete_key(f"{self._bell_prefix}{self._bells - 1}")  # every thread is past it
+        self._bells += 1
+        with self._lock:
+            news = bool(self._outbox) or self._join_requested or self._leaving
+            self._armed = "" if news else key
+        if news:
+            bell.set(key, "1")
+        while not _rung(bell, key):
+            pass
+        with self._lock:
+            self._armed = ""
 
     def _one_cycle(self) -> bool:
         """Exchange what is new, update the shared table, settle what is ready. Whether anything moved."""
@@ -300,6 +349,17 @@ class Negotiator:
                 submission.future.set_exception(error)
         if future is not None and not future.done():
             future.set_exception(error)
+
+
+def _rung(bell: Any, key: str) -> bool:
+    """Whether ``key`` was set within :data:`BELL_WAIT` (a store that fails otherwise raises)."""
+    try:
+        bell.wait([key], BELL_WAIT)
+    except RuntimeError as error:
+        if "timeout" not in str(error).lower():
+            raise
+        return False
+    return True
 
 
 def _disagreement(records: dict[int, Record], joined: list[int], gone: list[int]) -> str | None:
