@@ -52,6 +52,8 @@ def _out_of_order() -> dict:
     hvd.barrier()
     out["stranded"] = hvd.synchronize(stranded).shape[0]
     out["after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+    # Records longer than a cycle's first slot (60 tensors' shapes and dtypes) travel whole.
+    out["many"] = [t.item() for t in hvd.grouped_allreduce([torch.tensor([float(k)]) for k in range(60)], op=hvd.Sum)]
     hvd.shutdown()
     return out
 
@@ -64,6 +66,7 @@ def test_named_operations_are_matched_by_name_in_any_order() -> None:
         assert out["kinds"] == {"gather": [0, 1], "cast": [1.0]}
         assert out["duplicate"].startswith("ConfigurationError") and "'duplicate'" in out["duplicate"]
         assert out["stranded"] == 2 * n and out["after"] == n
+        assert out["many"] == [float(n * k) for k in range(60)]
 
 
 def _disagreements() -> dict:
@@ -174,7 +177,7 @@ def _missing_rank() -> dict:
         out["never"] = _raised(lambda: hvd.allreduce(torch.ones(1), name="only_on_0"))
         out["never_s"] = time.monotonic() - started
     else:
-        time.sleep(4.5)  # rank 0 waits out its timeout meanwhile
+        time.sleep(8.5)  # rank 0 waits out its timeout meanwhile
     hvd.barrier()
     if r == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -185,11 +188,11 @@ def _missing_rank() -> dict:
 
 
 def test_a_missing_or_dead_rank_is_an_error_naming_it_not_a_hang() -> None:
-    out, dead = run_workers(_missing_rank, 2, collective_timeout=4, timeout=60, expect_failure=True)
+    out, dead = run_workers(_missing_rank, 2, collective_timeout=8, timeout=90, expect_failure=True)
     assert dead == "died with exit code -9" and isinstance(out, dict), (out, dead)
     assert out["never"].startswith("HorovodTimeoutError") and "rank(s) [1] did not submit" in out["never"], out
-    assert 3.5 < out["never_s"] < 8
-    assert out["dead"].startswith("HorovodTimeoutError") and out["dead_s"] < 3.5, out
+    assert 7.5 < out["never_s"] < 15
+    assert out["dead"].startswith("HorovodTimeoutError") and out["dead_s"] < 5, out
 
 
 def _world_of_one() -> list:

@@ -3,9 +3,11 @@
 Each ``*_async`` submits its operation to the negotiation (:mod:`~phalanx.horovod.torch.negotiation`)
 and returns an integer handle at once; the operation starts when every rank of its process set has
 submitted one of the same name (an unnamed one is named by its kind and how many of that kind the
-process set had before), so ranks may submit them in different orders. ``synchronize(handle)`` waits and returns the result, or
-raises the operation's error: ranks that disagree on dtype, shape, op or root all raise
-:class:`HorovodMismatchError`, with the same message. A name still in flight on this rank
+process set had since the last ``barrier``, ``join`` or ``init``), so ranks may submit them in
+different orders. ``synchronize(handle)`` waits and returns the result, or raises the operation's
+error: ranks that disagree on dtype, shape, op or root all raise :class:`HorovodMismatchError`,
+with the same message. Having compared the records, the negotiation starts phalanx's collectives
+without their own cross-rank check (``check=False``). A name still in flight on this rank
 (submitted and not synchronized) raises ``ValueError`` at once, on this rank only.
 """
 
@@ -177,7 +179,7 @@ def _allreduce_plan(tensor: torch.Tensor, output: torch.Tensor, op: str, prescal
         if output is not tensor:
             output.copy_(tensor)
         scale_(output, prescale)
-        return collectives.allreduce_(output, sent, async_op=True)
+        return collectives.allreduce_(output, sent, async_op=True, check=False)
 
     return launch, _scaled(after)
 
@@ -227,7 +229,8 @@ def _grouped_allreduce_plan(tensors: Sequence[torch.Tensor], outputs: Sequence[t
         for indices in groups.values():
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
             flats.append(scale_(flat, prescale))
-        return AllOf([collectives.allreduce_(flat, sent, async_op=True) for flat, (sent, _) in zip(flats, reductions)])
+        return AllOf([collectives.allreduce_(flat, sent, async_op=True, check=False)
+                      for flat, (sent, _) in zip(flats, reductions)])
 
     def finish(_: Any) -> list[torch.Tensor]:
         for indices, flat, (_, after) in zip(groups.values(), flats, reductions):
@@ -322,7 +325,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: ProcessSet = global_process_set) -> int:
     """Start copying the tensor of global rank ``root_rank`` to every rank of the set (into a new tensor)."""
     root = root_position(process_set, root_rank)
-    return _submit("broadcast", name, process_set, lambda: collectives.broadcast(tensor, root, async_op=True),
+    return _submit("broadcast", name, process_set,
+                   lambda: collectives.broadcast(tensor, root, async_op=True, check=False),
                    tensors=[tensor], root_rank=root_rank)
 
 
@@ -330,7 +334,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting ``tensor`` in place with global rank ``root_rank``'s."""
     root = root_position(process_set, root_rank)
-    return _submit("broadcast", name, process_set, lambda: collectives.broadcast_(tensor, root, async_op=True),
+    return _submit("broadcast", name, process_set,
+                   lambda: collectives.broadcast_(tensor, root, async_op=True, check=False),
                    tensors=[tensor], root_rank=root_rank)
 
 
@@ -351,7 +356,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                                                            else splits)]
 
     def launch() -> AllOf:
-        main = collectives.alltoall(tensor, counts, async_op=True)
+        main = collectives.alltoall(tensor, counts, async_op=True, check=False)
         world = set_size(process_set)
         sent = counts if counts is not None else [tensor.shape[0] // world] * world
         received = collectives.alltoall(torch.tensor(sent, dtype=torch.int64), async_op=True, check=False)
@@ -370,7 +375,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
 
     def launch() -> Any:
         work = tensor if prescale_factor == 1.0 else scale_(tensor.clone(), prescale_factor)
-        return collectives.reduce_scatter(work, sent, async_op=True)
+        return collectives.reduce_scatter(work, sent, async_op=True, check=False)
 
     return _submit("reducescatter", name, process_set, launch, _scaled(after), [tensor], op=op,
                    prescale=prescale_factor, postscale=postscale_factor)
@@ -384,8 +389,9 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     reductions = [_summed_then_scaled(op_name, t.dtype, postscale_factor, set_size(process_set)) for t in tensors]
 
     def launch() -> AllOf:
-        return AllOf([collectives.reduce_scatter(t if prescale_factor == 1.0 else scale_(t.clone(), prescale_factor),
-                                                sent, async_op=True) for t, (sent, _) in zip(tensors, reductions)])
+        scaled = [t if prescale_factor == 1.0 else scale_(t.clone(), prescale_factor) for t in tensors]
+        return AllOf([collectives.reduce_scatter(t, sent, async_op=True, check=False)
+                      for t, (sent, _) in zip(scaled, reductions)])
 
     return _submit("grouped_reducescatter", name, process_set, launch,
                    lambda shares: [scale_(share, after) for share, (_, after) in zip(shares, reductions)],
@@ -405,6 +411,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the set has reached this point (the agreement is the barrier: nothing
     else is sent)."""
     synchronize(_submit("barrier", None, process_set, lambda: None))
+    set_id = int(process_set.process_set_id or 0)
+    for kind, counted in list(_unnamed):  # every member is here: the set's unnamed operations count afresh
+        if set_id == 0 or counted == set_id:
+            del _unnamed[kind, counted]
 
 
 def join(device: int = -1) -> int:

@@ -18,9 +18,8 @@ job's timeout), so the others may go on with operations that do not need it; tho
 fail on every rank that submitted them, naming it. A lost peer fails every waiting operation with
 :class:`HorovodTimeoutError`.
 
-Cycles cost nothing while nothing moves: after a cycle in which no rank had news, every thread waits
-on the same numbered key of the job's store (a doorbell), and a rank with news (a submission, a
-join, leaving) sets it; a rank waiting in ``synchronize`` rings it once a second, so a peer that
+Cycles cost nothing while nothing moves: after each cycle every thread waits on the same numbered key
+of the job's store (a doorbell), and a rank with news (a submission, a join, leaving) sets it; a rank waiting in ``synchronize`` rings it once a second, so a peer that
 died shows as a failed cycle within a second. Where the job has no store (a process group made by someone else),
 idle threads poll instead, backing off to 10 ms.
 """
@@ -46,6 +45,7 @@ from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismat
 
 logger = logging.getLogger(__name__)
 
+SLOT = 1024  # bytes of each rank's records that travel in a cycle's first allgather
 MAX_PAUSE_S = 0.01  # without a store: the longest sleep between idle cycles
 BELL_WAIT = datetime.timedelta(days=1)  # a doorbell wait's timeout: rung long before (torch logs each one)
 LIVENESS_S = 1.0  # a rank that waits for an operation rings a cycle this often, to notice a dead peer
@@ -213,14 +213,15 @@ class Negotiator:
         pause = 0.0
         try:
             while True:
-                if self._one_cycle():
-                    pause = 0.0
-                elif self._bell is not None:
+                moved = self._one_cycle()
+                if self._bell is not None:
                     self._idle(self._bell[0])
-                else:
+                elif not moved:
                     pause = min(max(2 * pause, 1e-4), MAX_PAUSE_S)
                     self._wake.wait(pause)
                     self._wake.clear()
+                else:
+                    pause = 0.0
         except _AllLeft:
             self._end(HorovodInternalError(f"Horovod was shut down on rank {self.rank}: call hvd.init() first."))
         except Exception as failure:  # noqa: BLE001 - a lost peer, a torn-down group: every waiter hears of it
@@ -230,8 +231,8 @@ class Negotiator:
                 f"({str(failure).splitlines()[0] if str(failure) else type(failure).__name__})."))
 
     def _idle(self, bell: Any) -> None:
-        """No rank had news: wait on this round's doorbell key until a rank rings it (every rank's
-        thread waits on the same key, since every rank saw the same quiet cycle)."""
+        """Wait on this round's doorbell key until a rank with news rings it (every rank's thread
+        waits on the same key after each cycle; a rank that has news already rings at once)."""
         key = f"{self._bell_prefix}{self._bells}"
         if self.rank == 0 and self._bells:
             bell.delete_key(f"{self._bell_prefix}{self._bells - 1}")  # every thread is past it
@@ -280,18 +281,23 @@ class Negotiator:
             self._left.add(rank)
 
     def _exchange(self, payload: bytes) -> list[bytes]:
-        """Every rank's ``payload`` (one allgather of the lengths, one of the bytes when any has some)."""
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), group=self._control)
-        longest = max(int(length) for length in lengths)
-        if longest == 0:
-            return [b""] * self.size
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if payload:
-            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        """Every rank's ``payload``: one allgather of a slot holding its length and its first bytes,
+        a second of the rest only when some rank's does not fit."""
+        head, rest = payload[:SLOT - 8], payload[SLOT - 8:]
+        slots = self._gather(len(payload).to_bytes(8, "little") + head, SLOT)
+        lengths = [int.from_bytes(slot[:8], "little") for slot in slots]
+        longest = max(lengths) - (SLOT - 8)
+        tails = self._gather(rest, longest) if longest > 0 else [b""] * self.size
+        return [(slot[8:] + tail)[:length] for slot, tail, length in zip(slots, tails, lengths)]
+
+    def _gather(self, data: bytes, size: int) -> list[bytes]:
+        """Every rank's ``data``, each padded to ``size`` bytes."""
+        mine = torch.zeros(size, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = [torch.empty(size, dtype=torch.uint8) for _ in range(self.size)]
         dist.all_gather(everyone, mine, group=self._control)
-        return [buffer[:int(length)].numpy().tobytes() for buffer, length in zip(everyone, lengths)]
+        return [buffer.numpy().tobytes() for buffer in everyone]
 
     def _settle_ready(self) -> bool:
         settled = False
