@@ -7,8 +7,8 @@ process set had since the last ``barrier``, ``join`` or ``init``), so ranks may 
 different orders. ``synchronize(handle)`` waits and returns the result, or raises the operation's
 error: ranks that disagree on dtype, shape, op or root all raise :class:`HorovodMismatchError`,
 with the same message. Having compared the records, the negotiation starts phalanx's collectives
-without their own cross-rank check (``check=False``). A name still in flight on this rank
-(submitted and not synchronized) raises ``ValueError`` at once, on this rank only.
+without their own cross-rank check (``check=False``). A name still being processed on this rank
+(submitted and not completed) raises ``ValueError`` at once, on this rank only.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
     """
     basics.require_init()
     scope_of(process_set)  # a registered set this rank belongs to
-    if name is not None and name in _in_flight:
+    earlier = _pending.get(_in_flight.get(name, 0)) if name is not None else None
+    if earlier is not None and not earlier.work.is_completed():  # a completed one frees its name, as in Horovod
         raise ConfigurationError(
             f"Requested to {kind} a tensor with the same name '{name}' as another tensor that is currently being "
             "processed. Synchronize the first one before reusing its name, or give each a distinct name."
@@ -126,8 +127,8 @@ def synchronize(handle: int) -> Any:
         with horovod_errors():
             result = pending.finish(pending.work.wait())
     finally:
-        if pending.named:
-            _in_flight.pop(pending.name, None)
+        if pending.named and _in_flight.get(pending.name) == handle:
+            del _in_flight[pending.name]
         if timeline.active():
             timeline.record(pending.kind.upper(), pending.name, pending.start_us, pending.details)
     return result
