@@ -13,6 +13,9 @@ import sys
 
 VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")  # as the user set it, for the cuda tests
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Every launcher of the suite's multi-node jobs holds the same secret, as a user gives it to all
+# nodes; tests/cli/test_security.py takes it away or changes it where that is the point.
+os.environ["PHALANX_SECRET"] = "5ec2e7" * 8
 
 import pytest  # noqa: E402  (after hiding the GPUs)
 import torch  # noqa: E402

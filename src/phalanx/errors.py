@@ -14,6 +14,10 @@ class ConfigurationError(PhalanxError, ValueError):
     """The launch environment or an argument is invalid; the message names the fix."""
 
 
+class AuthenticationError(PhalanxError):
+    """A message did not prove the job's secret (none given, a wrong one, or a replay): it is refused."""
+
+
 class NotInitializedError(PhalanxError):
     """A distributed operation was called before ``px.init()``."""
 

@@ -8,8 +8,11 @@ import json
 import pytest
 import torch.distributed as dist
 
+from phalanx.comm.auth import JobSecret
 from phalanx.comm.membership import Keys
 from phalanx.cli.coordinator import Coordinator, CoordinatorConfig
+
+SECRET = JobSecret.generate()
 
 
 @pytest.fixture
@@ -19,11 +22,11 @@ def store():
 
 
 def make(store, min_workers=2, max_workers=4, heartbeat=5.0, rendezvous=30.0) -> Coordinator:
-    return Coordinator(store, CoordinatorConfig(min_workers, max_workers, heartbeat, rendezvous))
+    return Coordinator(store, SECRET, CoordinatorConfig(min_workers, max_workers, heartbeat, rendezvous))
 
 
 def post(store, **message) -> None:
-    store.queue_push(Keys.INBOX, json.dumps(message))
+    store.queue_push(Keys.INBOX, SECRET.seal(Keys.INBOX, json.dumps(message)))
 
 
 def spawn(store, member: int, node: int = 0, local_rank: int | None = None) -> None:
@@ -38,7 +41,7 @@ def request(store, member: int, seq: int, reason: str, generation: int = -1) -> 
 
 def answer(store, member: int, seq: int) -> dict | None:
     key = Keys.answer(member, seq)
-    return json.loads(store.get(key)) if store.check([key]) else None
+    return json.loads(SECRET.open(key, store.get(key))[0]) if store.check([key]) else None
 
 
 def form(store, coordinator: Coordinator, members: list[int]) -> None:

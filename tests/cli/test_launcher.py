@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the launcher us
 def worker_env(**extra: str) -> dict[str, str]:
     """The test's environment without any launch variables it might itself have been started with."""
     launch_keys = ("PHALANX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launch_keys)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launch_keys) or k == "PHALANX_SECRET"}
     env.update(extra)
     return env
 

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment without launch variables, with the repository importable."""
     launch_keys = ("PHALANX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "GLOO_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launch_keys)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launch_keys) or k == "PHALANX_SECRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from phalanx.comm import auth
 from phalanx.comm.membership import Keys
+from phalanx.errors import AuthenticationError
 
 POLL_INTERVAL_S = 0.02
 HEARTBEAT_POLL_S = 0.2
@@ -97,8 +99,11 @@ class _Formation:
 class Coordinator:
     """Forms generations from the messages in the store's inbox. :meth:`step` is one poll."""
 
-    def __init__(self, store: Any, config: CoordinatorConfig, log: Callable[[str], None] | None = None):
+    def __init__(self, store: Any, secret: auth.JobSecret, config: CoordinatorConfig,
+                 log: Callable[[str], None] | None = None):
         self.store = store
+        self.secret = secret
+        self.ledger = auth.NonceLedger()
         self.config = config
         self.log = log or (lambda message: None)
         self.members: dict[int, _Member] = {}
@@ -160,7 +165,23 @@ class Coordinator:
     def _drain(self, now: float) -> None:
         pending = self.store.queue_len(Keys.INBOX)
         for _ in range(pending):
-            self._handle(json.loads(self.store.queue_pop(Keys.INBOX, False)), now)
+            message = self._opened(self.store.queue_pop(Keys.INBOX, False))
+            if message is not None:
+                self._handle(message, now)
+
+    def _opened(self, sealed: bytes) -> dict[str, Any] | None:
+        """An inbox message that proves the job's secret and was not seen before; else a warning."""
+        try:
+            text, nonce = self.secret.open(Keys.INBOX, sealed)
+        except AuthenticationError:
+            self.log("phalanx run: warning: refused a message on the job's inbox that does not carry the job's "
+                     "secret (a node or client started without it, or with another job's); the job goes on.")
+            return None
+        if not self.ledger.first_time(nonce):
+            self.log("phalanx run: warning: refused a replayed message on the job's inbox (sealed once, sent "
+                     "again); the job goes on.")
+            return None
+        return dict(json.loads(text))
 
     def _member(self, member_id: int) -> _Member:
         if member_id not in self.members:
@@ -169,6 +190,8 @@ class Coordinator:
 
     def _handle(self, message: dict[str, Any], now: float) -> None:
         kind = message.get("type")
+        if kind == "hello":  # another node's launcher proved the secret; its workers announce themselves
+            return
         member = self._member(int(message["member"]))
         if kind == "spawn":
             member.node = int(message.get("node", 0))
@@ -351,4 +374,5 @@ class Coordinator:
 
     def _answer(self, request: _Request, payload: dict[str, Any]) -> None:
         self.requests.pop(request.member, None)
-        self.store.set(Keys.answer(request.member, request.seq), json.dumps(payload))
+        key = Keys.answer(request.member, request.seq)
+        self.store.set(key, self.secret.seal(key, json.dumps(payload)))

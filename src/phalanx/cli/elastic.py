@@ -57,11 +57,11 @@ class ElasticSupervisor(Supervisor):
     def start_workers(self, master_port: int) -> None:
         if self.config.hosts_store:
             config = self.config
-            self.coordinator = Coordinator(self.store.clone(), CoordinatorConfig(
+            self.coordinator = Coordinator(self.store.clone(), self.secret, CoordinatorConfig(
                 min_workers=config.min_world_size, max_workers=config.world_size,
                 heartbeat_timeout_s=config.effective_heartbeat_timeout_s,
                 rendezvous_timeout_s=config.timeout_s or DEFAULT_STORE_TIMEOUT_S,
-                start_timeout_s=max(config.timeout_s or DEFAULT_STORE_TIMEOUT_S, START_TIMEOUT_S)), log=self._log)
+                start_timeout_s=max(config.timeout_s or DEFAULT_STORE_TIMEOUT_S, START_TIMEOUT_S)), log=self._say)
             self.coordinator.start()
         super().start_workers(master_port)
 
@@ -163,7 +163,7 @@ class ElasticSupervisor(Supervisor):
                 why = self.store.get(Keys.kill(member)).decode()
                 self._killed[member] = why
                 worker.signal_group(signal.SIGKILL)
-                self._log(f"phalanx run: killed worker rank {worker.rank} (pid {worker.pid}): {why}.")
+                self._say(f"phalanx run: killed worker rank {worker.rank} (pid {worker.pid}): {why}.")
 
     def _report_lost(self, worker: Worker) -> None:
         """Show its traceback (held back until now), then one line: how it ended, with what error."""
@@ -172,7 +172,7 @@ class ElasticSupervisor(Supervisor):
         why = self._killed.get(self.members[worker])
         error = error_line(worker.stderr_tail, worker.exit_code or 0)
         how = describe_exit(worker.exit_code or 0) + (f" ({why})" if why else "") + (f": {error}" if error else "")
-        self._log(f"phalanx run: worker rank {worker.rank} (pid {worker.pid}) was lost: {how}; the elastic job goes "
+        self._say(f"phalanx run: worker rank {worker.rank} (pid {worker.pid}) was lost: {how}; the elastic job goes "
                   f"on without it while at least {self.config.min_world_size} worker(s) remain.")
 
     def _result(self) -> LaunchResult:
@@ -199,7 +199,5 @@ class ElasticSupervisor(Supervisor):
 
     def _post(self, message: dict) -> None:
         with contextlib.suppress(RuntimeError, OSError):
-            self.store.queue_push(Keys.INBOX, json.dumps(message))
+            self.store.queue_push(Keys.INBOX, self.secret.seal(Keys.INBOX, json.dumps(message)))
 
-    def _log(self, message: str) -> None:
-        self.relay.write("stderr", (message + "\n").encode())

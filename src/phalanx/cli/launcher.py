@@ -21,6 +21,7 @@ failure's is shown once, and every other worker's reason to stop takes one line 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import signal
 import sys
@@ -28,6 +29,7 @@ import threading
 import time
 from typing import IO, Any, Iterator, Sequence
 
+from phalanx.cli import secret as job_secret
 from phalanx.cli.config import LaunchConfig, WorkerSpec, job_id
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, connect_store, host_store
 from phalanx.cli.workers import (
@@ -40,7 +42,8 @@ from phalanx.cli.workers import (
     describe_exit,
     error_line,
 )
-from phalanx.comm import shm
+from phalanx.comm import auth, shm
+from phalanx.comm.auth import SECRET_ENV
 
 BOARD_POLL_S = 0.25
 OUTPUT_DRAIN_S = 3.0
@@ -65,6 +68,7 @@ class Supervisor:
         self.relay = OutputRelay(stdout or sys.stdout, stderr or sys.stderr, config.prefix_output)
         self.workers: list[Worker] = []
         self.store: Any = None
+        self.secret = auth.JobSecret.generate()  # replaced by the job's when the launch meets the others
         self.board: JobBoard | None = None
         self._exits: queue.Queue[Worker] = queue.Queue()
         self._exits_handled = 0
@@ -95,8 +99,9 @@ class Supervisor:
             Supervisor.start_worker(self, spec)  # a server is never an elastic member
 
     def start_worker(self, spec: WorkerSpec) -> Worker:
-        """Start one worker and watch it; it joins :attr:`workers` only once its process exists."""
-        worker = Worker(spec)
+        """Start one worker and watch it; it joins :attr:`workers` only once its process exists.
+        The job's secret reaches it through its environment."""
+        worker = Worker(dataclasses.replace(spec, variables={**spec.variables, SECRET_ENV: self.secret.hex()}))
         worker.start(self.relay, self._exits.put)
         self.workers.append(worker)
         return worker
@@ -264,10 +269,13 @@ class Supervisor:
         (multi-host or elastic jobs).
         """
         config = self.config
+        self.secret, saved = job_secret.resolve(config.hosts_store, config.max_nodes > 1, self._say)
         if config.hosts_store:
             self.store = host_store(config.master_addr, config.master_port, config.timeout_s)
+            job_secret.publish(self.store, self.secret, job_id())
         elif config.max_nodes > 1 or config.elastic:
             self.store = connect_store(config.master_addr, config.master_port, config.timeout_s)
+            job_secret.prove(self.store, self.secret, config.node_rank, config.elastic)
         if self.store is not None and (config.max_nodes > 1 or config.elastic):
             self.board = JobBoard(self.store)
             self.board.join()
@@ -276,6 +284,8 @@ class Supervisor:
         finally:
             self.board = None
             self.store = None
+            if saved is not None:
+                saved.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def _stop_signals_handled(self) -> Iterator[None]:
@@ -291,6 +301,10 @@ class Supervisor:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _say(self, message: str) -> None:
+        """One line of the launcher's own on its stderr."""
+        self.relay.write("stderr", (message + "\n").encode())
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         self._stop_signals.append(signum)  # only a list append: safe whatever the main thread holds

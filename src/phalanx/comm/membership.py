@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx import faults
-from phalanx.errors import CollectiveTimeoutError, WorkerFailedError
+from phalanx.comm import auth
+from phalanx.errors import AuthenticationError, CollectiveTimeoutError, WorkerFailedError
 
 HEARTBEAT_INTERVAL_S = 0.25
 WATCH_INTERVAL_S = 0.05
@@ -100,9 +101,10 @@ class MembershipClosed(WorkerFailedError):
 class ElasticClient:
     """This worker's side of the protocol: requests, heartbeats, and aborting a broken generation."""
 
-    def __init__(self, store: Any, member: int):
+    def __init__(self, store: Any, member: int, secret: auth.JobSecret):
         self.store = store
         self.member = member
+        self.secret = secret
         self.seq = 0
         self._lock = threading.Lock()
         self._generation = -1
@@ -122,11 +124,15 @@ class ElasticClient:
             message = {"type": "request", "member": self.member, "seq": self.seq, "generation": generation,
                        "reason": reason, "time": time.time()}
             key = Keys.answer(self.member, self.seq)
-            self.store.queue_push(Keys.INBOX, json.dumps(message))
+            self.store.queue_push(Keys.INBOX, self.secret.seal(Keys.INBOX, json.dumps(message)))
             if reason != "start":
                 faults.point("reform.request")
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
-            return json.loads(self.store.get(key))
+            return dict(json.loads(self.secret.open(key, self.store.get(key))[0]))
+        except AuthenticationError as error:
+            raise AuthenticationError(
+                f"elastic rendezvous of member {self.member}: the answer to its request does not carry the job's "
+                f"secret ({error}); this worker was started with another secret than node 0's launcher.") from error
         except (RuntimeError, OSError) as error:
             raise CollectiveTimeoutError(
                 f"elastic rendezvous of member {self.member} failed: no answer from the launcher's coordinator "
@@ -167,7 +173,8 @@ class ElasticClient:
     def leave(self) -> None:
         """Tell the coordinator this worker is done: its silence from now on is not a failure."""
         try:
-            self.store.queue_push(Keys.INBOX, json.dumps({"type": "leave", "member": self.member}))
+            self.store.queue_push(Keys.INBOX, self.secret.seal(Keys.INBOX, json.dumps({"type": "leave",
+                                                                                      "member": self.member})))
         except (RuntimeError, OSError):
             pass  # the launcher reports the exit anyway
 
