@@ -40,8 +40,8 @@ STALE_AFTER_S = 60.0
 def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any], kind: str | None = None) -> Path:
     """Call ``write(handle)`` to fill ``path``: never a truncated file under that name; return the path.
 
-    The data goes to a temporary file in the same folder (``.<name>.<random>.tmp``, locked while
-    it is written), is flushed to disk, and is renamed over ``path``; the folder is then flushed
+    The data goes to a new owner-only (0600) temporary file in the same folder
+    (``.<name>.<random>.tmp``, locked while it is written), is flushed to disk, and is renamed over ``path``; the folder is then flushed
     too, so the rename itself survives a power loss. The temporary file is removed when anything
     fails. ``kind`` is a glob of the target names whose stale temporary files this write removes
     first (default: ``path``'s own name), e.g. ``"checkpoint-*.pt"`` for every step's checkpoint.
@@ -50,7 +50,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], A
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path.parent, kind or glob.escape(path.name))
     temporary = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    handle = open(temporary, "xb")  # the mode of an ordinary new file (umask), unlike mkstemp's 0600
+    handle = os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")  # owner-only
     try:
         with handle:
             _lock(handle)

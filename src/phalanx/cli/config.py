@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import secrets
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -355,9 +357,11 @@ def this_host_index(hosts: list[tuple[str, int]]) -> int:
     )
 
 
+@functools.lru_cache(maxsize=None)
 def job_id() -> str:
-    """This launch's id on this host (the launcher's pid): names the workers' shared-memory segments."""
-    return str(os.getpid())
+    """This launch's id on this host: the launcher's pid and 64 random bits. It names the workers'
+    shared-memory segments, which another user of the host must not be able to guess and pre-create."""
+    return f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def _check_module(name: str) -> None:

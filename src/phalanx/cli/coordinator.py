@@ -263,7 +263,7 @@ class Coordinator:
     def _declare_dead(self, member: _Member, why: str) -> None:
         member.dead = why
         self.requests.pop(member.id, None)
-        self.store.set(Keys.kill(member.id), why)  # its launcher kills it: no zombie member
+        self.store.set(Keys.kill(member.id), self.secret.seal(Keys.kill(member.id), why))  # no zombie member
         self.log(f"phalanx run: {member.describe()} is declared dead: {why}; its launcher kills it.")
         if member.id in self.current:
             self._break(f"{member.describe()}: {why}", time.time(), member.id)
@@ -354,7 +354,7 @@ class Coordinator:
     def _fail(self, message: str, members: list[int]) -> None:
         """End the job; the first survivor holding trained state is asked to save a checkpoint."""
         self.status = f"failed: {message}"
-        self.store.set(Keys.STATUS, self.status)
+        self.store.set(Keys.STATUS, self.secret.seal(Keys.STATUS, self.status))
         self.log(f"phalanx run: error: the elastic job stops: {message}.")
         survivors = [m for m in members if m in self.current]
         for member_id in members:

@@ -28,6 +28,7 @@ from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
 from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit, error_line
 from phalanx.comm.environment import MEMBER_ENV
 from phalanx.comm.membership import START_TIMEOUT_S, Keys
+from phalanx.errors import AuthenticationError
 
 MEMBER_COUNTER = Keys.PREFIX + "next_member"
 STOP_WAIT_S = 60.0  # after the job failed: how long survivors get to save a checkpoint and exit
@@ -44,6 +45,7 @@ class ElasticSupervisor(Supervisor):
         self.lost: list[Worker] = []
         self.job_failure: str | None = None
         self._killed: dict[int, str] = {}
+        self._forged: set[str] = set()  # store keys seen with a value that is not the coordinator's
         self._stop_deadline: float | None = None
         self._final: LaunchResult | None = None
 
@@ -150,8 +152,9 @@ class ElasticSupervisor(Supervisor):
         if self.job_failure is not None:
             return
         with contextlib.suppress(RuntimeError, OSError):
-            if self.store.check([Keys.STATUS]):
-                self.job_failure = self.store.get(Keys.STATUS).decode().removeprefix("failed: ")
+            status = self._sealed(Keys.STATUS)
+            if status is not None:
+                self.job_failure = status.removeprefix("failed: ")
                 self._stop_deadline = time.monotonic() + STOP_WAIT_S
 
     def _kill_declared_dead(self) -> None:
@@ -159,11 +162,24 @@ class ElasticSupervisor(Supervisor):
             member = self.members.get(worker)
             if member is None or not worker.running or member in self._killed:
                 continue
-            if self.store.check([Keys.kill(member)]):
-                why = self.store.get(Keys.kill(member)).decode()
+            why = self._sealed(Keys.kill(member))
+            if why is not None:
                 self._killed[member] = why
                 worker.signal_group(signal.SIGKILL)
                 self._say(f"phalanx run: killed worker rank {worker.rank} (pid {worker.pid}): {why}.")
+
+    def _sealed(self, key: str) -> str | None:
+        """The coordinator's value at ``key``: None while absent, or when it does not carry the job's
+        secret (someone else wrote it: warned once, ignored)."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return self.secret.open(key, self.store.get(key))[0]
+        except AuthenticationError:
+            if key not in self._forged:
+                self._forged.add(key)
+                self._say(f"phalanx run: warning: ignored {key} in the store: it does not carry the job's secret.")
+            return None
 
     def _report_lost(self, worker: Worker) -> None:
         """Show its traceback (held back until now), then one line: how it ended, with what error."""

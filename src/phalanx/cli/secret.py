@@ -18,7 +18,7 @@ from phalanx.comm import auth
 from phalanx.comm.membership import Keys
 from phalanx.errors import AuthenticationError, ConfigurationError
 
-JOB_KEY = "phalanx/job"  # node 0's sealed job name: proof for the other nodes that they hold its secret
+JOB_KEY = "phalanx/launch/sealed-job"  # node 0's sealed job name: proof for the other nodes that they hold its secret
 SECRETS_DIR = Path.home() / ".phalanx" / "secrets"
 
 

@@ -153,7 +153,7 @@ def _job_id(store: Any, info: LaunchInfo) -> str:
     """The launcher's job id, or one agreed through the store (other launchers)."""
     if info.job_id:
         return info.job_id
-    return store.compare_set("phalanx/job", "", secrets.token_hex(4)).decode()
+    return store.compare_set("phalanx/job", "", secrets.token_hex(8)).decode()  # unguessable: see shm names
 
 
 def adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.device) -> Communicator:

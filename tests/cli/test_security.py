@@ -1,0 +1,165 @@
+"""The control plane authenticates (issue 30): an elastic job attacked the ways an outsider who
+reaches its port would, and by another user of the host, finishes with its own result.
+
+One job of node 0 (``--nnodes 1:2``, 2 workers, a secret it made itself: the suite's own
+``PHALANX_SECRET`` is removed) is attacked while it runs: a second node without the secret, one
+with a wrong secret, a raw store client that pushes a pickle that would create a file when
+unpickled into the inbox and other keys, and a replayed sealed message. A legitimate second node
+with the secret joins in tests/elastic/test_jobs.py (the suite gives every launcher the same one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.cli import secret as job_secret
+from phalanx.comm import auth
+from phalanx.comm.membership import Keys
+from tests.cli.test_launcher import phalanx_command, worker_env
+from tests.elastic.launch import free_port
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
+
+JOB = """
+import time, torch, phalanx as px
+torch.set_num_threads(1)
+px.init()
+total = 0.0
+for step in range(40):
+    total += float(px.allreduce(torch.ones(1))[0])
+    time.sleep(0.15)
+if px.rank() == 0:
+    print("result", px.size(), total, flush=True)
+"""
+
+
+class Payload:
+    """Unpickling it would create ``path``: proof that something from the network ran."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def joiner(tmp_path: Path, port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(phalanx_command("-n", "1", "--nnodes", "1:2", "--node-rank", "1", "--master-port",
+                                          str(port), "--timeout", "20", "job.py"),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_an_elastic_job_refuses_outsiders_and_finishes_with_its_own_result(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(JOB)
+    port, marker = free_port(), tmp_path / "ran"
+    without_secret = {k: v for k, v in worker_env().items() if k != auth.SECRET_ENV}
+    secret_file = auth.write_file(auth.JobSecret.generate(), tmp_path / "secrets")
+    node0 = subprocess.Popen(phalanx_command("-n", "2", "--nnodes", "1:2", "--node-rank", "0", "--master-port",
+                                             str(port), "--timeout", "30", "job.py"),
+                             cwd=tmp_path, env={**without_secret, auth.SECRET_FILE_ENV: str(secret_file)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))
+        store.wait([job_secret.JOB_KEY])
+        no_secret = joiner(tmp_path, port, without_secret)
+        wrong_secret = joiner(tmp_path, port, {**without_secret, auth.SECRET_ENV: "0f" * 32})
+        # A raw client: a pickle that would run code, into the inbox and into keys phalanx reads.
+        crafted = pickle.dumps(Payload(marker))
+        store.queue_push(Keys.INBOX, crafted)
+        for key in (Keys.answer(1, 1), Keys.answer(2, 1), Keys.STATUS + "-x", "phalanx/elastic/g0/extra"):
+            store.set(key, crafted)
+        # A replayed message: sealed with the right secret once (as sniffed off the wire), sent twice.
+        secret = auth.read_file(secret_file)
+        hello = secret.seal(Keys.INBOX, json.dumps({"type": "hello", "node": 1, "host": "replayed"}))
+        store.queue_push(Keys.INBOX, hello)
+        store.queue_push(Keys.INBOX, hello)
+        out, err = node0.communicate(timeout=90)
+    finally:
+        node0.kill()
+    for refused in (no_secret, wrong_secret):
+        assert refused.returncode == 2, refused.stderr
+        assert "did not accept this node: it does not hold the job's secret" in refused.stderr, refused.stderr
+        assert "PHALANX_SECRET_FILE" in refused.stderr
+    assert node0.returncode == 0, err
+    assert "result 2 80.0" in out, out  # 40 allreduces of ones over 2 workers: undisturbed
+    assert err.count("refused a message on the job's inbox that does not carry the job's secret") >= 3, err
+    assert err.count("refused a replayed message") == 1, err
+    assert not marker.exists()
+    assert secret.hex() not in out + err + no_secret.stderr + wrong_secret.stderr  # the secret is never printed
+
+
+def test_node_0_makes_a_secret_and_says_where_it_keeps_it_without_printing_it(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("import phalanx as px\npx.init()\n")
+    without_secret = {k: v for k, v in worker_env().items() if k != auth.SECRET_ENV}
+    done = subprocess.run(phalanx_command("-n", "1", "--nnodes", "1:2", "--master-port", str(free_port()),
+                                          "--timeout", "30", "job.py"),
+                          cwd=tmp_path, env=without_secret, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "this job's secret is in" in line]
+    assert len(lines) == 1 and f"{auth.SECRET_FILE_ENV}=" in lines[0], done.stderr
+    path = Path(lines[0].split(" is in ")[1].split(" ")[0])
+    assert path.parent == job_secret.SECRETS_DIR and not path.exists()  # removed when the job ended
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("ab" * 32)
+    path.chmod(0o644)
+    with pytest.raises(Exception, match="chmod 600"):
+        auth.read_file(path)
+    path.chmod(0o600)
+    assert auth.read_file(path).hex() == "ab" * 32
+
+
+def test_a_message_sealed_for_one_place_does_not_open_in_another() -> None:
+    secret = auth.JobSecret.generate()
+    sealed = secret.seal("phalanx/elastic/answer/1/1", '{"status": "ok"}')
+    assert secret.open("phalanx/elastic/answer/1/1", sealed)[0] == '{"status": "ok"}'
+    for place, key in (("phalanx/elastic/answer/2/1", secret), ("phalanx/elastic/answer/1/1", auth.JobSecret.generate())):
+        with pytest.raises(auth.AuthenticationError):
+            key.open(place, sealed)
+
+
+def test_shared_memory_names_cannot_be_guessed_and_a_squatter_changes_nothing(tmp_path: Path) -> None:
+    """Another user pre-creates the segment names of the next launches' pids (the old names):
+    the job still runs, through shared memory, on names of its own."""
+    probe = subprocess.Popen([sys.executable, "-c", "pass"])
+    probe.wait()
+    squatted = [Path(f"/dev/shm/phalanx-{pid}-g0") for pid in range(probe.pid, probe.pid + 400)]
+    for path in squatted:
+        path.touch(exist_ok=True)
+    try:
+        (tmp_path / "job.py").write_text(
+            "import torch, phalanx as px\npx.init()\nprint('shm', px.communicator().shares_one_host(), "
+            "float(px.allreduce(torch.ones(1))[0]), flush=True)\n")
+        done = subprocess.run(phalanx_command("-n", "2", "--timeout", "30", "job.py"), cwd=tmp_path, env=worker_env(),
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        for path in squatted:
+            path.unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("shm True 2.0") == 2, done.stdout
+
+
+def test_the_store_of_a_loopback_address_listens_on_loopback_only() -> None:
+    from phalanx.cli.network import host_store
+
+    for address in ("127.0.0.1", "localhost"):
+        store = host_store(address, 0, 5)
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{store.port}"], capture_output=True, text=True).stdout
+        assert listening.strip(), listening
+        assert all(local.startswith(("127.", "[::1]", "[::ffff:127.")) for local in
+                   (line.split()[3] for line in listening.splitlines())), listening
+        del store
+        time.sleep(0.1)
