@@ -6,7 +6,8 @@ channels, and a worker admitted later opens new ones while the others run. Messa
 matched by tag; every wait is bounded by the job's timeout, and a failure names the peer.
 
 Opening is a handshake through the store: the worker takes a ticket from the server's counter
-and announces itself under it; the server's listener reads the ticket and both sides form the
+and announces itself under it, sealed with the job's secret (:mod:`phalanx.comm.auth`: a ticket
+that does not carry it is refused with a warning); the server's listener reads the ticket and both sides form the
 group under a prefix unique to that ticket (see :class:`Listener`).
 """
 
@@ -21,7 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import CollectiveTimeoutError
+from phalanx.comm import auth
+from phalanx.errors import CollectiveTimeoutError, ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +92,20 @@ class Channel:
 
 
 def connect(store: Any, server: int, worker: int, timeout_s: float) -> Channel:
-    """Open a channel from worker ``worker`` (a stable id) to parameter server ``server``."""
+    """Open a channel from worker ``worker`` (a stable id) to parameter server ``server``; the
+    announcement is sealed with the job's secret, so the server admits only the job's workers."""
     ticket = int(store.add(f"{PREFIX}/{server}/tickets", 1))
-    store.set(f"{PREFIX}/{server}/ticket/{ticket}", str(worker))
+    key = f"{PREFIX}/{server}/ticket/{ticket}"
+    store.set(key, _secret().seal(key, str(worker)))
     return Channel(store, f"{server}/{ticket}", 1, timeout_s, f"parameter server {server}")
+
+
+def _secret() -> auth.JobSecret:
+    secret = auth.from_environment()
+    if secret is None:
+        raise ConfigurationError(f"parameter servers and their workers need the job's secret in {auth.SECRET_ENV}, "
+                                 "which phalanx run gives the processes it starts: launch with phalanx run --servers.")
+    return secret
 
 
 def own_connection(store: Any) -> Any:
@@ -114,6 +126,7 @@ class Listener:
         self.server = server
         self.timeout_s = timeout_s
         self._on_channel = on_channel
+        self._secret = _secret()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"phalanx-ps{server}-listener", daemon=True)
 
@@ -131,7 +144,7 @@ class Listener:
                 if not self._store.check([key]):
                     self._stopped.wait(self.POLL_S)
                     continue
-                worker = int(self._store.get(key))
+                worker = int(self._secret.open(key, self._store.get(key))[0])
                 channel = Channel(self._store, f"{self.server}/{ticket}", 0, self.timeout_s, f"worker {worker}")
             except (RuntimeError, OSError, ValueError) as error:
                 if self._stopped.is_set():

@@ -4,7 +4,8 @@ Every request starts with an int64 header (tag :data:`HEADER`) and a float64 ten
 optimizer's learning rates and metric sums (tag :data:`VALUES`); a push then carries one flat
 gradient bucket per parameter group of that server (tag ``GROUP_TAG + g``). Every reply is an
 int64 header and, where it returns parameters, one flat tensor per group. Objects (optimizer
-state, the history) travel pickled in a uint8 tensor whose length is in the header.
+state, the history) travel as ``torch.save`` bytes in a uint8 tensor whose length is in the
+header, and are loaded with ``weights_only=True``: nothing received can run code.
 """
 
 from __future__ import annotations
