@@ -151,6 +151,26 @@ def test_sync_broadcasts_the_newest_commit_and_reshards() -> None:
     assert all(torch.equal(a, b) for a, b in zip(first[4], second[4]))
 
 
+class _Opaque:
+    """A value torch.load(weights_only=True) refuses: it must not travel between members."""
+
+
+def _sync_an_opaque_value() -> str:
+    state = elastic.State(step=0, notes={"epoch": 3, "object": _Opaque() if runtime.rank() == 0 else None})
+    try:
+        state.sync()
+    except px.ConfigurationError as error:
+        return str(error)
+    return "synced"
+
+
+def test_a_state_value_that_could_run_code_is_refused_on_every_member() -> None:
+    """The structure travels as torch.save bytes loaded with weights_only=True: an arbitrary
+    object (which unpickling could turn into code) is refused by its sender, on every rank."""
+    for message in run_workers(_sync_an_opaque_value, 2):
+        assert "cannot travel safely" in message and "weights_only" in message, message
+
+
 def test_restore_gives_back_the_random_streams_of_the_commit() -> None:
     import random
 

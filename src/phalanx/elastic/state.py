@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import io
 import os
 import sys
 import time
@@ -382,16 +383,52 @@ def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
+torch.serialization.add_safe_globals([_Slot])  # the one class of ours a state's structure may hold
+
+
 def _broadcast_tree(tree: Any, root: int) -> Any:
-    """``root``'s nested state on every rank: the structure pickled once, tensors in one broadcast per dtype."""
+    """``root``'s nested state on every rank: the structure once, as ``torch.save`` bytes loaded with
+    ``weights_only=True`` (nothing a peer sends can run code), the tensors in one broadcast per dtype."""
     is_root = runtime.rank() == root
     tensors: list[torch.Tensor] = []
     skeleton = _flatten(tree, tensors) if is_root else None
     specs = [(tuple(t.shape), t.dtype, t.is_cuda) for t in tensors]
-    skeleton, specs = collectives.broadcast_object((skeleton, specs) if is_root else None, root)
+    skeleton, specs = _broadcast_structure((skeleton, specs) if is_root else None, root)
     if not is_root:
         tensors = [torch.empty(shape, dtype=dtype, device=runtime.device() if cuda else "cpu")
                    for shape, dtype, cuda in specs]
     collectives.broadcast_tensors_(tensors, root)
     return tree if is_root else _unflatten(skeleton, tensors)
 
+
+
+def _broadcast_structure(structure: Any, root: int) -> Any:
+    """``root``'s ``structure`` (containers, numbers, strings, dtypes, slots) on every rank; one that
+    ``torch.load(weights_only=True)`` would refuse raises :class:`ConfigurationError` on every rank."""
+    is_root = runtime.rank() == root
+    data, problem = _serialized(structure) if is_root else (b"", None)
+    length = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
+    collectives.broadcast_(length, root, check=False)
+    if int(length) < 0:
+        raise ConfigurationError(
+            f"the elastic state of rank {root} holds a value that cannot travel safely ({problem}): a state's values "
+            "must be tensors, numbers, strings, bytes, None, and lists, tuples and dicts of them (what "
+            "torch.load(weights_only=True) accepts). Keep other objects out of the state, or store their numbers.")
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root and data else \
+        torch.empty(int(length), dtype=torch.uint8)
+    collectives.broadcast_(payload, root, check=False)
+    if is_root:
+        return structure
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
+def _serialized(structure: Any) -> tuple[bytes, str | None]:
+    """``structure`` as ``torch.save`` bytes, and why it would not load with ``weights_only`` (or None)."""
+    buffer = io.BytesIO()
+    torch.save(structure, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any refusal: reported to every rank
+        return b"", str(error).splitlines()[0][:200]
+    return data, None
