@@ -163,3 +163,26 @@ def test_the_store_of_a_loopback_address_listens_on_loopback_only() -> None:
                    (line.split()[3] for line in listening.splitlines())), listening
         del store
         time.sleep(0.1)
+
+
+LISTENING = """
+import json, os, subprocess, torch, phalanx as px
+px.init()
+px.allreduce(torch.ones(1))
+listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+print("listens", json.dumps([line.split()[3] for line in listening.splitlines() if f"pid={os.getpid()}," in line]),
+      flush=True)
+px.barrier()
+"""
+
+
+def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Every socket the workers listen on (Gloo's, shared memory's helpers) stays on loopback."""
+    (tmp_path / "job.py").write_text(LISTENING)
+    done = subprocess.run(phalanx_command("-n", "2", "--timeout", "30", "job.py"), cwd=tmp_path, env=worker_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    addresses = [address for line in done.stdout.splitlines() if "listens" in line
+                 for address in json.loads(line.split("listens ", 1)[1])]
+    assert addresses and all(address.startswith(("127.", "[::1]", "[::ffff:127.")) for address in addresses), \
+        done.stdout
