@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import pickle
 import subprocess
 import sys
