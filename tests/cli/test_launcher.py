@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.cli.config import WORKER_MAIN, LaunchConfig
+from phalanx.cli.config import WORKER_MAIN, LaunchConfig, job_id
 from phalanx.errors import ConfigurationError
 from phalanx.lifetime import is_alive
 from phalanx.cli.workers import describe_exit, exit_code_of, split_lines
@@ -349,10 +349,11 @@ def test_worker_environment() -> None:
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "phalanx-1234",
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "GROUP_RANK": "1",
                 "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4",
-                "PHALANX_SERVERS": "0", "PHALANX_JOB_ID": str(os.getpid()),
+                "PHALANX_SERVERS": "0", "PHALANX_JOB_ID": job_id(),
                 "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
                 "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_HOSTNAME": socket.gethostname()}
     assert env == expected
+    assert job_id().startswith(f"{os.getpid()}-") and len(job_id().split("-")[1]) == 16  # 64 random bits
     assert spec.command == (sys.executable, WORKER_MAIN, "t.py")
     assert LaunchConfig(target="t.py").worker_specs(1)[0].environment({})["OMP_NUM_THREADS"] == "1"
 
