@@ -109,7 +109,7 @@ class Negotiator:
         self._join: concurrent.futures.Future | None = None
         self._ended: PhalanxError | None = None
         self._thread: threading.Thread | None = None
-        store = communicator.store if hasattr(communicator.store, "clone") else None
+        store = communicator.store if self.size > 1 and hasattr(communicator.store, "clone") else None
         # The doorbell: one store connection for the thread's waits, one for the callers' rings.
         self._bell = (store.clone(), store.clone()) if store is not None else None
         self._bell_prefix, self._bells, self._armed = f"{communicator.prefix}horovod/bell/", 0, ""
