@@ -185,3 +185,25 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
                  for address in json.loads(line.split("listens ", 1)[1])]
     assert addresses and all(address.startswith(("127.", "[::1]", "[::ffff:127.")) for address in addresses), \
         done.stdout
+
+
+def test_a_forged_rendezvous_value_is_skipped_until_the_real_one_arrives() -> None:
+    """torch's own rendezvous goes through a SealedStore: a raw client that writes a worker's
+    address key first cannot stand in for it; the real value, once written, is the one read."""
+    import threading
+
+    from phalanx.comm.sealed_store import SealedStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    secret = auth.JobSecret.generate()
+    sealed = SealedStore(server, secret, timeout_s=3)
+    raw = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    raw.set("g0/rank_1", b"attacker:1234")
+    writer = threading.Timer(0.3, lambda: SealedStore(raw.clone(), secret, 3).set("g0/rank_1", b"worker:5678"))
+    writer.start()
+    assert dist.PrefixStore("g0", sealed).get("rank_1") == b"worker:5678"  # as torch's groups read it
+    writer.join()
+    raw.set("rank_2", b"attacker:1234")
+    with pytest.raises(auth.AuthenticationError):
+        SealedStore(server, secret, timeout_s=0.3).get("rank_2")

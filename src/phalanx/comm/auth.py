@@ -59,6 +59,21 @@ class JobSecret:
             raise AuthenticationError(f"a message for {place} does not carry the job's secret")
         return message, nonce
 
+    def seal_bytes(self, place: str, value: bytes) -> bytes:
+        """``value`` (bytes) bound to ``place``: a fresh 16-byte nonce, its 32-byte HMAC, the value."""
+        nonce = secrets.token_bytes(16)
+        return nonce + self._mac_bytes(place, nonce, value) + value
+
+    def open_bytes(self, place: str, sealed: bytes) -> bytes:
+        """The value :meth:`seal_bytes` sealed for ``place`` with this secret; else an error."""
+        nonce, mac, value = sealed[:16], sealed[16:48], sealed[48:]
+        if len(sealed) < 48 or not hmac.compare_digest(mac, self._mac_bytes(place, nonce, value)):
+            raise AuthenticationError(f"the value at {place} does not carry the job's secret")
+        return value
+
+    def _mac_bytes(self, place: str, nonce: bytes, value: bytes) -> bytes:
+        return hmac.new(self._key, place.encode() + b"\0" + nonce + value, hashlib.sha256).digest()
+
     def _mac(self, place: str, nonce: str, message: str) -> str:
         signed = b"\0".join(part.encode() for part in (place, nonce, message))
         return hmac.new(self._key, signed, hashlib.sha256).hexdigest()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import auth
+from phalanx.comm.sealed_store import sealing
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ class Channel:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
         options._devices = [_device()]
+        self._sealed = sealing(store, timeout_s)  # alive as long as the group: torch calls back into it
         try:
-            self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"{PREFIX}/{ticket}/", store), rank, 2, options)
+            self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"{PREFIX}/{ticket}/", self._sealed), rank, 2, options)
         except (RuntimeError, OSError) as error:
             raise ChannelClosed(f"could not connect to {peer} within {timeout_s:.0f}s ({error}).") from error
         self._peer_rank = 1 - rank

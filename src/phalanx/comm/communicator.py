@@ -50,6 +50,9 @@ class Communicator(Collectives):
     #: shared memory on this host (hierarchical across hosts), when the transport is
     shared_memory: OrderedExecutor[shm.SharedMemoryGroup] | None = None
     on_sockets: Callable[[int, dict[str, int]], None] | None = None
+    #: the store under the generation's groups (sealed with the job's secret): kept alive while they
+    #: live, since torch calls back into it whenever a group is made
+    group_store: Any = None
     #: phalanx's own algorithms on a Gloo group of their own, made by the first call that needs it
     messages: OrderedExecutor[algorithms.MessageGroup] | None = dataclasses.field(default=None, init=False)
     #: the links measured for ``algorithm="auto"``, by group id: a new generation starts without

@@ -22,6 +22,7 @@ from phalanx.comm.communicator import Communicator, created_by_first
 from phalanx.comm.environment import LaunchInfo
 from phalanx.comm.membership import socket_inodes, sockets_since
 from phalanx.comm.ordered import OrderedExecutor
+from phalanx.comm.sealed_store import sealing
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
 
 
@@ -55,10 +56,11 @@ def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch
     rendezvous = store if rendezvous is None else rendezvous
     timeout_delta = datetime.timedelta(seconds=timeout_s)
     before = socket_inodes()
+    sealed = sealing(rendezvous, timeout_s)
     try:
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(keys, rendezvous),
+            store=dist.PrefixStore(keys, sealed),
             rank=info.rank,
             world_size=info.world_size,
             timeout=timeout_delta,
@@ -75,7 +77,8 @@ def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch
         ) from error
     sockets = sockets_since(before)  # cross-host groups too
     return Communicator(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
-                        prefix=keys, sockets=sockets, transport=transport, shared_memory=executor)
+                        prefix=keys, sockets=sockets, transport=transport, shared_memory=executor,
+                        group_store=sealed)
 
 
 def _open_shm(info: LaunchInfo, store: Any, keys: str, generation: int, transport: str, backend: str,
