@@ -103,7 +103,7 @@ def test_a_silent_member_is_declared_dead_and_killed(store) -> None:
     coordinator.step()
     assert answer(store, 1, 2)["status"] == "below-min"  # one left, two needed
     assert answer(store, 1, 2)["save"] is True
-    assert SECRET.open(Keys.STATUS, store.get(Keys.STATUS))[0].startswith("failed: only 1 worker(s) left")
+    assert SECRET.open(Keys.STATUS, store.get(Keys.STATUS))[0].startswith(b"failed: only 1 worker(s) left")
 
 
 def test_joiners_are_admitted_at_a_boundary_after_the_members(store) -> None:

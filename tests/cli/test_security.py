@@ -124,7 +124,7 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
 def test_a_message_sealed_for_one_place_does_not_open_in_another() -> None:
     secret = auth.JobSecret.generate()
     sealed = secret.seal("phalanx/elastic/answer/1/1", '{"status": "ok"}')
-    assert secret.open("phalanx/elastic/answer/1/1", sealed)[0] == '{"status": "ok"}'
+    assert secret.open("phalanx/elastic/answer/1/1", sealed)[0] == b'{"status": "ok"}'
     for place, key in (("phalanx/elastic/answer/2/1", secret), ("phalanx/elastic/answer/1/1", auth.JobSecret.generate())):
         with pytest.raises(auth.AuthenticationError):
             key.open(place, sealed)

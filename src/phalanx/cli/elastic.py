@@ -174,7 +174,7 @@ class ElasticSupervisor(Supervisor):
         if not self.store.check([key]):
             return None
         try:
-            return self.secret.open(key, self.store.get(key))[0]
+            return self.secret.open(key, self.store.get(key))[0].decode()
         except AuthenticationError:
             if key not in self._forged:
                 self._forged.add(key)

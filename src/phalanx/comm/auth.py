@@ -6,15 +6,15 @@ node 0's launcher makes one at random and hands it to its own workers through th
 never on a command line or in a log. A control message is *sealed*: it travels with a fresh
 nonce and an HMAC-SHA256 over the place it is meant for (a store key or queue), the nonce and the
 message; :meth:`JobSecret.open` checks the HMAC in constant time and refuses anything else, and
-a :class:`NonceLedger` refuses a sealed message seen before (a replay). Sealed messages are JSON:
-nothing read from the network is unpickled on the strength of a seal.
+a :class:`NonceLedger` refuses a sealed message seen before (a replay). The same seal serves the
+control messages (JSON) and torch's rendezvous values (:mod:`phalanx.comm.sealed_store`): nothing
+read from the network is unpickled on the strength of a seal.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import stat
@@ -43,49 +43,30 @@ class JobSecret:
         """The secret as text, for the environment of this node's own workers (never for a log)."""
         return self._key.hex()
 
-    def seal(self, place: str, message: str) -> str:
-        """``message`` (text) bound to ``place``, with a fresh nonce and its HMAC."""
-        nonce = secrets.token_hex(16)
-        return json.dumps({"nonce": nonce, "mac": self._mac(place, nonce, message), "message": message})
-
-    def open(self, place: str, sealed: str | bytes) -> tuple[str, str]:
-        """The message and its nonce, if ``sealed`` was sealed for ``place`` with this secret."""
-        try:
-            envelope = json.loads(sealed)
-            nonce, mac, message = str(envelope["nonce"]), str(envelope["mac"]), str(envelope["message"])
-        except (ValueError, TypeError, KeyError) as error:
-            raise AuthenticationError(f"a message for {place} is not sealed with the job's secret") from error
-        if not hmac.compare_digest(mac, self._mac(place, nonce, message)):
-            raise AuthenticationError(f"a message for {place} does not carry the job's secret")
-        return message, nonce
-
-    def seal_bytes(self, place: str, value: bytes) -> bytes:
-        """``value`` (bytes) bound to ``place``: a fresh 16-byte nonce, its 32-byte HMAC, the value."""
+    def seal(self, place: str, value: str | bytes) -> bytes:
+        """``value`` bound to ``place``: a fresh 16-byte nonce, their 32-byte HMAC, the value."""
+        data = value.encode() if isinstance(value, str) else bytes(value)
         nonce = secrets.token_bytes(16)
-        return nonce + self._mac_bytes(place, nonce, value) + value
+        return nonce + self._mac(place, nonce, data) + data
 
-    def open_bytes(self, place: str, sealed: bytes) -> bytes:
-        """The value :meth:`seal_bytes` sealed for ``place`` with this secret; else an error."""
+    def open(self, place: str, sealed: bytes) -> tuple[bytes, bytes]:
+        """The value and its nonce, if ``sealed`` was sealed for ``place`` with this secret."""
         nonce, mac, value = sealed[:16], sealed[16:48], sealed[48:]
-        if len(sealed) < 48 or not hmac.compare_digest(mac, self._mac_bytes(place, nonce, value)):
+        if len(sealed) < 48 or not hmac.compare_digest(mac, self._mac(place, nonce, value)):
             raise AuthenticationError(f"the value at {place} does not carry the job's secret")
-        return value
+        return value, nonce
 
-    def _mac_bytes(self, place: str, nonce: bytes, value: bytes) -> bytes:
+    def _mac(self, place: str, nonce: bytes, value: bytes) -> bytes:
         return hmac.new(self._key, place.encode() + b"\0" + nonce + value, hashlib.sha256).digest()
-
-    def _mac(self, place: str, nonce: str, message: str) -> str:
-        signed = b"\0".join(part.encode() for part in (place, nonce, message))
-        return hmac.new(self._key, signed, hashlib.sha256).hexdigest()
 
 
 class NonceLedger:
     """The nonces already accepted: a sealed message comes once; the second time it is a replay."""
 
     def __init__(self) -> None:
-        self._seen: set[str] = set()
+        self._seen: set[bytes] = set()
 
-    def first_time(self, nonce: str) -> bool:
+    def first_time(self, nonce: bytes) -> bool:
         if nonce in self._seen:
             return False
         self._seen.add(nonce)

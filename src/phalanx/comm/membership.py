@@ -22,6 +22,7 @@ from typing import Any
 
 from phalanx import faults
 from phalanx.comm import auth
+from phalanx.comm.sealed_store import SealedStore
 from phalanx.errors import AuthenticationError, CollectiveTimeoutError, WorkerFailedError
 
 HEARTBEAT_INTERVAL_S = 0.25
@@ -127,7 +128,8 @@ class ElasticClient:
             self.store.queue_push(Keys.INBOX, self.secret.seal(Keys.INBOX, json.dumps(message)))
             if reason != "start":
                 faults.point("reform.request")
-            return self._answer(key, timeout_s)
+            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+            return dict(json.loads(SealedStore(self.store, self.secret, timeout_s).get(key)))
         except AuthenticationError as error:
             raise AuthenticationError(
                 f"elastic rendezvous of member {self.member}: no answer to its request carries the job's secret "
@@ -138,19 +140,6 @@ class ElasticClient:
                 f"within {timeout_s:.0f}s ({str(error).splitlines()[0][:200]}). Check that the launcher of node 0 "
                 "is still running."
             ) from error
-
-    def _answer(self, key: str, timeout_s: float) -> dict[str, Any]:
-        """The coordinator's answer at ``key``; a value someone else wrote there first is skipped
-        until the coordinator's own replaces it (within the timeout)."""
-        deadline = time.monotonic() + timeout_s
-        self.store.wait([key], datetime.timedelta(seconds=timeout_s))
-        while True:
-            try:
-                return dict(json.loads(self.secret.open(key, self.store.get(key))[0]))
-            except AuthenticationError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(WATCH_INTERVAL_S)
 
     def track(self, generation: int, sockets: dict[str, int], forming_since: dict[str, int] | None = None) -> None:
         """Remember the generation this worker is in now, and its group's connections; while the

@@ -3,7 +3,7 @@ addresses, every group phalanx forms) goes through it, so a process that reaches
 lacks the secret cannot stand in for a worker.
 
 :class:`SealedStore` wraps the job's ``TCPStore``: every value ``set`` is sealed for its key
-(:meth:`~phalanx.comm.auth.JobSecret.seal_bytes`), every ``get`` opens it. A value someone else
+(:meth:`~phalanx.comm.auth.JobSecret.seal`), every ``get`` opens it. A value someone else
 wrote first is skipped until the rightful writer's replaces it (within the timeout); counters
 (``add``) and existence checks pass through. :func:`sealing` applies it where the job has a secret.
 """
@@ -33,14 +33,13 @@ class SealedStore(dist.Store):
         self.inner, self.secret, self.timeout_s = store, secret, timeout_s
 
     def set(self, key: str, value: bytes | str) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        self.inner.set(key, self.secret.seal_bytes(key, data))
+        self.inner.set(key, self.secret.seal(key, value))
 
     def get(self, key: str) -> bytes:
         deadline, warned = time.monotonic() + self.timeout_s, False
         while True:
             try:
-                return self.secret.open_bytes(key, self.inner.get(key))
+                return self.secret.open(key, self.inner.get(key))[0]
             except AuthenticationError:
                 if time.monotonic() > deadline:
                     raise
