@@ -9,8 +9,8 @@ table and reaches the same decisions in the same order:
   ``hvd.join()`` counts as having submitted every allreduce, and reduces zeros;
 - a ready operation whose records disagree (dtype, shape, op, root, kind), or that a joined rank
   cannot take part in, fails on every rank that submitted it with the same message; nothing is sent;
-- the others are launched in the table's order on groups of their own (:func:`scope_for`), so they
-  never interleave with the collectives the rest of phalanx runs from the user's thread.
+- the others are launched in the table's order on groups of their own (one pair per process set),
+  so they never interleave with the collectives the rest of phalanx runs from the user's thread.
 
 Leaving (``hvd.shutdown()``, or the end of the generation or process) is collective, like MPI's
 finalize: a rank that leaves keeps taking part in the cycles until every rank has left (at most the
@@ -42,6 +42,7 @@ from phalanx.comm import collectives, runtime
 from phalanx.comm.communicator import Communicator
 from phalanx.errors import PhalanxError
 from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismatchError, HorovodTimeoutError
+from phalanx.horovod.torch.process_sets import new_scope
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Negotiator:
                  set_scope: Callable[[int], collectives.Scope | None]):
         self.communicator, self.stand_in, self.set_scope = communicator, stand_in, set_scope
         self.rank, self.size, self.timeout_s = communicator.rank, communicator.size, communicator.timeout_s
-        self._whole_job = scope_for(list(range(self.size)), communicator.backend, self.timeout_s)
+        self._whole_job = new_scope(list(range(self.size)))
         self._stand_ins: list[Any] = []  # a joined rank's zeros in flight
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -401,17 +402,6 @@ def _comparable(record: Record, what: str) -> Any:
     if what == "shapes" and record.get("ragged"):
         return [[len(shape), *shape[1:]] for shape in value]
     return value
-
-
-def scope_for(ranks: list[int], backend: str, timeout_s: float) -> collectives.Scope | None:
-    """New groups over ``ranks`` for negotiated operations (collective over the whole job); ``None``
-    in a world of one, which has no groups."""
-    if not dist.is_initialized():
-        return None
-    timeout = datetime.timedelta(seconds=timeout_s)
-    cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    device = dist.new_group(ranks, timeout=timeout) if backend == "nccl" else cpu
-    return collectives.Scope(tuple(ranks), cpu, device)
 
 
 _current: Negotiator | None = None

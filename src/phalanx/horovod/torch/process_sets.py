@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
-from phalanx.horovod.torch import negotiation
 
 logger = logging.getLogger(__name__)
 DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
@@ -190,19 +189,25 @@ def _register(process_set: ProcessSet) -> ProcessSet:
         raise ConfigurationError(f"a process set needs distinct ranks in [0, {world}), got {ranks}.")
     if any(existing.ranks == ranks for existing in _registry.values() if existing is not global_process_set):
         raise ConfigurationError(f"a process set with ranks {ranks} is already registered; reuse it.")
-    if ranks == list(range(world)):
-        process_set._scope = None  # the whole job: the global group serves it
-    else:
-        timeout = datetime.timedelta(seconds=runtime.timeout())
-        cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        device = dist.new_group(ranks, timeout=timeout) if dist.get_backend() == "nccl" else cpu
-        process_set._scope = collectives.Scope(tuple(ranks), cpu, device)
-    process_set._negotiated = negotiation.scope_for(ranks, dist.get_backend(), runtime.timeout())
+    # the whole job: the global group serves its collectives
+    process_set._scope = None if ranks == list(range(world)) else new_scope(ranks)
+    process_set._negotiated = new_scope(ranks)
     process_set.process_set_id = _next_id
     _registry[_next_id] = process_set
     _next_id += 1
     logger.debug("process set %s registered", process_set)
     return process_set
+
+
+def new_scope(ranks: list[int]) -> collectives.Scope | None:
+    """New groups over ``ranks``, Gloo and (with NCCL) the device's (collective over the whole job);
+    ``None`` in a world of one, which has no groups."""
+    if not dist.is_initialized():
+        return None
+    timeout = datetime.timedelta(seconds=runtime.timeout())
+    cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    device = dist.new_group(ranks, timeout=timeout) if dist.get_backend() == "nccl" else cpu
+    return collectives.Scope(tuple(ranks), cpu, device)
 
 
 def _destroy(scope: collectives.Scope) -> None:
