@@ -168,7 +168,8 @@ class Negotiator:
         raise HorovodTimeoutError(
             f"{kind} '{name}' on rank {self.rank}: rank(s) {missing} did not submit an operation of that name "
             f"within {self.timeout_s:.0f}s. Every rank of the process set must submit it (names are matched "
-            "across ranks; an unnamed operation is named by its kind and how many of that kind the set had before).")
+            "across ranks; an unnamed operation is named by its kind and how many of that kind the set had since "
+            "the last barrier, join or init).")
 
     def _awaited(self, future: concurrent.futures.Future) -> bool:
         """Whether ``future`` completed within the job's timeout. Each second without, a cycle is
