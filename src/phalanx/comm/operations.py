@@ -464,9 +464,12 @@ class Collectives:
 
     @_when_open
     def broadcast_object(self, obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
-        """Return ``root``'s picklable object on every rank (peers are trusted: it is unpickled).
+        """Return ``root``'s picklable object on every rank.
 
-        An object the root cannot pickle raises :class:`ConfigurationError` on every rank.
+        The object is unpickled, so it can run code: this trusts every peer of the group, which
+        under ``phalanx run`` are processes that proved they hold the job's secret
+        (docs/security.md). An object the root cannot pickle raises :class:`ConfigurationError`
+        on every rank.
         """
         self._check_root(root)
         if self._size() == 1:
@@ -491,7 +494,9 @@ class Collectives:
     def allgather_object(self, obj: Any, *, async_op: bool = False) -> list[Any] | Handle[list[Any]]:
         """Return the list of every rank's picklable object, in rank order.
 
-        An object some rank cannot pickle raises :class:`ConfigurationError` on every rank.
+        The objects are unpickled, so they can run code: this trusts every peer of the group, as
+        :meth:`broadcast_object` does. An object some rank cannot pickle raises
+        :class:`ConfigurationError` on every rank.
         """
         if self._size() == 1:
             return done([obj], async_op)

@@ -60,7 +60,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Return global rank ``root_rank``'s picklable object on every rank of the set."""
+    """Return global rank ``root_rank``'s picklable object on every rank of the set (unpickled:
+    peers are trusted, as in :meth:`phalanx.broadcast_object`)."""
     basics.require_init()
     root = root_position(process_set, root_rank)
     with horovod_errors(), collectives.within(scope_of(process_set)):
@@ -68,7 +69,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Return the list of every rank's picklable object, in rank order."""
+    """Return the list of every rank's picklable object, in rank order (unpickled: peers are
+    trusted, as in :meth:`phalanx.allgather_object`)."""
     basics.require_init()
     with horovod_errors(), collectives.within(scope_of(process_set)):
         return collectives.allgather_object(obj)
