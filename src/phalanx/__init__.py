@@ -1,60 +1,20 @@
 """Phalanx: distributed data-parallel training for PyTorch.
 
 ``import phalanx as px``; ``px.init()``; then the collectives below, and the layers built on them.
+
+Names load on first use (PEP 562): ``import phalanx`` costs nothing until ``px.init`` or another
+name is touched, so the ``phalanx`` command starts a job's workers before it imports PyTorch itself.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any, Sequence
 
-from phalanx.comm.collectives import (
-    Handle,
-    allgather,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    alltoall,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_object,
-    reduce,
-    reduce_,
-    reduce_scatter,
-)
-from phalanx.comm.communicator import Communicator
-from phalanx.comm.runtime import (
-    communicator,
-    device,
-    init,
-    is_initialized,
-    is_master,
-    local_rank,
-    local_size,
-    node_rank,
-    num_servers,
-    rank,
-    role,
-    shutdown,
-    size,
-    timeout,
-)
-from phalanx import data, elastic, tune
-from phalanx.parallel.batchnorm import SyncBatchNorm
-from phalanx.parallel.reductions import Reduction, TopK
-from phalanx.parallel.data_parallel import DataParallel
-from phalanx.parallel.exact import ExactGradients
-from phalanx.strategies.central_storage import CentralStorage
-from phalanx.strategies.parameter_server import ParameterServer
-from phalanx.train import callbacks, lr, metrics
-from phalanx.train.fit import evaluate, fit
-from phalanx.train.loop import Loop
-from phalanx.train.lr import scale_lr
-from phalanx.train.state import History
 from phalanx.errors import (
+    AuthenticationError,
     CheckpointError,
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    AuthenticationError,
     ConfigurationError,
     DataMismatchError,
     GenerationClosedError,
@@ -70,6 +30,44 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+_MODULES = {  # public module -> the names it gives px
+    "phalanx.comm.collectives": ("Handle", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall",
+                                 "barrier", "broadcast", "broadcast_", "broadcast_object", "reduce", "reduce_",
+                                 "reduce_scatter"),
+    "phalanx.comm.communicator": ("Communicator",),
+    "phalanx.comm.runtime": ("communicator", "device", "init", "is_initialized", "is_master", "local_rank",
+                             "local_size", "node_rank", "num_servers", "rank", "role", "shutdown", "size", "timeout"),
+    "phalanx.parallel.batchnorm": ("SyncBatchNorm",),
+    "phalanx.parallel.reductions": ("Reduction", "TopK"),
+    "phalanx.parallel.data_parallel": ("DataParallel",),
+    "phalanx.parallel.exact": ("ExactGradients",),
+    "phalanx.strategies.central_storage": ("CentralStorage",),
+    "phalanx.strategies.parameter_server": ("ParameterServer",),
+    "phalanx.train.fit": ("evaluate", "fit"),
+    "phalanx.train.loop": ("Loop",),
+    "phalanx.train.lr": ("scale_lr",),
+    "phalanx.train.state": ("History",),
+}
+_SUBMODULES = {"data": "phalanx.data", "elastic": "phalanx.elastic", "tune": "phalanx.tune",
+               "callbacks": "phalanx.train.callbacks", "lr": "phalanx.train.lr", "metrics": "phalanx.train.metrics"}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that owns ``name`` on first use, and keep the name here."""
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+    elif name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    else:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 def diagnose(script: str, args: Sequence[str] = (), workers: int = 2, **options: Any) -> "Diagnosis":
     """``phalanx doctor`` from Python: run ``script`` on ``workers`` workers and one, and diagnose
@@ -78,13 +76,8 @@ def diagnose(script: str, args: Sequence[str] = (), workers: int = 2, **options:
 
     return run(script, args, workers, **options)
 
-__all__ = [
-    "diagnose", "CentralStorage", "Communicator", "communicator", "GenerationClosedError", "DataParallel", "ExactGradients", "ParameterServer", "ServerFailedError", "History", "Reduction", "SyncBatchNorm", "TopK", "callbacks", "data", "elastic", "tune", "evaluate", "fit", "Loop", "lr",
-    "metrics", "scale_lr",
-    "CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
-    "AuthenticationError", "ConfigurationError", "DataMismatchError", "Handle", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
-    "WorkerFailedError", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "barrier",
-    "broadcast", "broadcast_", "broadcast_object", "device", "init", "is_initialized", "is_master",
-    "local_rank", "local_size", "node_rank", "num_servers", "rank", "role", "reduce", "reduce_", "reduce_scatter", "shutdown", "size",
-    "timeout",
-]
+
+__all__ = sorted({"diagnose", *_HOME, *_SUBMODULES, "AuthenticationError", "CheckpointError", "CollectiveError",
+                  "CollectiveMismatchError", "CollectiveTimeoutError", "ConfigurationError", "DataMismatchError",
+                  "GenerationClosedError", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
+                  "ServerFailedError", "WorkerFailedError"})

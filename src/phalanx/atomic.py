@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-import torch
-
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks, the age alone decides
@@ -70,6 +68,8 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], A
 
 def save_atomically(obj: Any, path: str | os.PathLike[str], kind: str | None = None) -> Path:
     """``torch.save`` ``obj`` to ``path`` through :func:`write_atomically`; return the path."""
+    import torch  # here: the command line writes text through this module without loading PyTorch
+
     return write_atomically(path, lambda handle: torch.save(obj, handle), kind)
 
 

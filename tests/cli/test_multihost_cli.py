@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.cli.config import LaunchConfig
-from phalanx.cli.network import host_store, interface_towards, is_loopback
+from phalanx.cli.network import bind_store, host_store, interface_towards, is_loopback
 from phalanx.cli.main import main, parse_nnodes
 from tests.cli.test_launcher import phalanx_command, worker_env, write_script
 
@@ -66,7 +66,7 @@ def _listeners(port: int) -> list[str]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net/tcp")
 def test_the_store_listens_on_loopback_only_by_default() -> None:
-    store = host_store("127.0.0.1", 0, 10)
+    store = host_store("127.0.0.1", bind_store("127.0.0.1", 0), 10)
     assert _listeners(store.port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
     store.set("k", "v")
     assert store.get("k") == b"v"

@@ -152,10 +152,10 @@ def test_shared_memory_names_cannot_be_guessed_and_a_squatter_changes_nothing(tm
 
 
 def test_the_store_of_a_loopback_address_listens_on_loopback_only() -> None:
-    from phalanx.cli.network import host_store
+    from phalanx.cli.network import bind_store, host_store
 
     for address in ("127.0.0.1", "localhost"):
-        store = host_store(address, 0, 5)
+        store = host_store(address, bind_store(address, 0), 5)
         listening = subprocess.run(["ss", "-ltnH", f"sport = :{store.port}"], capture_output=True, text=True).stdout
         assert listening.strip(), listening
         assert all(local.startswith(("127.", "[::1]", "[::ffff:127.")) for local in

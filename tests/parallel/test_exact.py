@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from phalanx.train import checkpoint_io
 from tests.harness import run_workers
 
 SAMPLES, GLOBAL_BATCH, MICRO, EPOCHS = 130, 24, 2, 4  # 6 steps an epoch (the last of 10): 24 steps
@@ -88,7 +89,7 @@ def test_weights_are_bitwise_identical_for_any_worker_count(world_size: int, sin
 def test_a_run_stopped_at_step_10_resumes_bitwise_at_another_worker_count(tmp_path: Path,
                                                                        single_worker_digest: str) -> None:
     run_workers(_train, 2, str(tmp_path), 10, timeout=120)
-    assert px.train.checkpoint_io.list_checkpoints(tmp_path)[0].name.endswith("000000010.pt")
+    assert checkpoint_io.list_checkpoints(tmp_path)[0].name.endswith("000000010.pt")
     results = run_workers(_resume, 3, str(tmp_path), timeout=180)
     assert [digest for digest, _ in results] == [single_worker_digest] * 3
     for rank, (_, executed) in enumerate(results):

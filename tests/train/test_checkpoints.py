@@ -59,7 +59,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.sum(1) > 0).long()
 
 
-def _fit(folder: Path, epochs: int, resume: bool, seed: int = 0, keep: int = 3) -> tuple[nn.Module, px.train.History]:
+def _fit(folder: Path, epochs: int, resume: bool, seed: int = 0, keep: int = 3) -> tuple[nn.Module, px.History]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

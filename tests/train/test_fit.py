@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from phalanx.train import checkpoint_io
 from phalanx.data import epoch_plan
 from tests.harness import run_workers
 
@@ -244,7 +245,7 @@ def test_a_killed_job_resumes_from_its_checkpoint_and_ends_where_an_uninterrupte
     os.killpg(victim.pid, signal.SIGKILL)  # the launcher; its workers die with it
     victim.wait(timeout=30)
     assert not (tmp_path / "resumed.pt").exists()
-    saved = px.train.checkpoint_io.list_checkpoints(tmp_path / "run")
+    saved = checkpoint_io.list_checkpoints(tmp_path / "run")
     assert saved, "no checkpoint was written before the kill"
     saved_step = int(saved[0].stem.removeprefix("checkpoint-"))
 

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,7 +32,8 @@ from typing import IO, Any, Iterator, Sequence
 
 from phalanx.cli import secret as job_secret
 from phalanx.cli.config import LaunchConfig, WorkerSpec, job_id
-from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, connect_store, host_store
+from phalanx.cli.network import (DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, bind_store, connect_store,
+                                 host_store)
 from phalanx.cli.workers import (
     HOLD_S,
     LaunchResult,
@@ -42,7 +44,7 @@ from phalanx.cli.workers import (
     describe_exit,
     error_line,
 )
-from phalanx.comm import auth, shm
+from phalanx.comm import auth
 from phalanx.comm.auth import SECRET_ENV
 
 BOARD_POLL_S = 0.25
@@ -68,6 +70,7 @@ class Supervisor:
         self.relay = OutputRelay(stdout or sys.stdout, stderr or sys.stderr, config.prefix_output)
         self.workers: list[Worker] = []
         self.store: Any = None
+        self._listener: socket.socket | None = None  # the store's socket, bound and not yet served
         self.secret = auth.JobSecret.generate()  # replaced by the job's when the launch meets the others
         self.board: JobBoard | None = None
         self._exits: queue.Queue[Worker] = queue.Queue()
@@ -82,10 +85,13 @@ class Supervisor:
         with self._stop_signals_handled(), self._rendezvous() as master_port:
             try:
                 self.start_workers(master_port)
+                self._serve_store()
                 result = self.watch()
             finally:
+                from phalanx.comm.shm import remove_job_segments  # with torch, loaded once the workers run
+
                 self.terminate_all()
-                shm.remove_job_segments(job_id())  # a worker killed before its segment was unlinked
+                remove_job_segments(job_id())  # a worker killed before its segment was unlinked
                 self.leave_job()
                 for worker in self.workers:  # nothing held back is lost: what was not summed up shows now
                     worker.show_held()
@@ -261,6 +267,14 @@ class Supervisor:
         self.terminate_all()
         return LaunchResult(exit_code=128 + signum, stop_signal=signum, workers_stopped=running)
 
+    def _serve_store(self) -> None:
+        """Serve the store on the socket bound for it, if not yet, and seal the job's name into it."""
+        if self._listener is None:
+            return
+        listener, self._listener = self._listener, None
+        self.store = host_store(self.config.master_addr, listener, self.config.timeout_s)
+        job_secret.publish(self.store, self.secret, job_id())
+
     @contextlib.contextmanager
     def _rendezvous(self) -> Iterator[int]:
         """Host the store for the job's lifetime (node 0), and yield the port the workers meet on.
@@ -270,9 +284,13 @@ class Supervisor:
         """
         config = self.config
         self.secret, saved = job_secret.resolve(config.hosts_store, config.max_nodes > 1, self._say)
-        if config.hosts_store:
-            self.store = host_store(config.master_addr, config.master_port, config.timeout_s)
-            job_secret.publish(self.store, self.secret, job_id())
+        listener = bind_store(config.master_addr, config.master_port) if config.hosts_store else None
+        port = listener.getsockname()[1] if listener is not None else config.master_port
+        if listener is not None and (config.max_nodes > 1 or config.elastic):
+            self._listener = listener
+            self._serve_store()  # other launchers and the coordinator need it before any worker starts
+        elif listener is not None:
+            self._listener = listener  # served once the workers started: they import PyTorch meanwhile
         elif config.max_nodes > 1 or config.elastic:
             self.store = connect_store(config.master_addr, config.master_port, config.timeout_s)
             job_secret.prove(self.store, self.secret, config.node_rank, config.elastic)
@@ -280,8 +298,11 @@ class Supervisor:
             self.board = JobBoard(self.store)
             self.board.join()
         try:
-            yield self.store.port if config.hosts_store else config.master_port
+            yield port
         finally:
+            if self._listener is not None:  # never served: the launch failed before
+                self._listener.close()
+                self._listener = None
             self.board = None
             self.store = None
             if saved is not None:

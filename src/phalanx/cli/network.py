@@ -25,17 +25,26 @@ DEFAULT_STORE_TIMEOUT_S = 300.0
 POLL_INTERVAL_S = 0.1
 
 
-def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> TCPStore:
-    """Start the rendezvous ``TCPStore`` server in this process; port 0 picks a free port.
+def bind_store(master_addr: str, master_port: int) -> socket.socket:
+    """The store's listening socket: on ``master_addr`` when that is an address of this host (so
+    the default, 127.0.0.1, keeps the store on loopback), on every interface otherwise; port 0
+    picks a free port. Binding needs no PyTorch, so workers can start while the store loads."""
+    try:
+        return listen_socket(master_addr, master_port)
+    except OSError as error:
+        raise ConfigurationError(
+            f"could not host the rendezvous store on {master_addr}:{master_port} ({error}). "
+            "Pick another --master-port, or 0 for a free one."
+        ) from error
 
-    It listens only on ``master_addr`` when that is an address of this host (so the default,
-    127.0.0.1, keeps the store on loopback), and on every interface otherwise.
-    """
+
+def host_store(master_addr: str, listener: socket.socket, timeout_s: float | None) -> TCPStore:
+    """Serve the rendezvous ``TCPStore`` in this process on ``listener`` (:func:`bind_store`);
+    clients that connected before it served wait in the socket's backlog."""
     import torch.distributed as dist  # imported here: only the launching process needs the store
 
+    port = listener.getsockname()[1]
     try:
-        listener = listen_socket(master_addr, master_port)
-        port = listener.getsockname()[1]
         return dist.TCPStore(
             master_addr, port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s or DEFAULT_STORE_TIMEOUT_S),
@@ -43,7 +52,7 @@ def host_store(master_addr: str, master_port: int, timeout_s: float | None) -> T
         )
     except (RuntimeError, OSError) as error:
         raise ConfigurationError(
-            f"could not host the rendezvous store on {master_addr}:{master_port} ({error}). "
+            f"could not host the rendezvous store on {master_addr}:{port} ({error}). "
             "Pick another --master-port, or 0 for a free one."
         ) from error
 

@@ -10,16 +10,27 @@ CPU whatever the host has; ``--device cuda`` insists on GPUs.
 from __future__ import annotations
 
 import os
-
-import torch
-import torch.distributed as dist
+import sys
+from typing import TYPE_CHECKING
 
 from phalanx.comm.environment import DEVICES
 from phalanx.errors import ConfigurationError
 
+if TYPE_CHECKING:  # imported where used: the launcher checks a job's devices before it loads PyTorch
+    import torch
+
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm builds of torch.cuda)
+
 
 def visible_gpus() -> int:
-    """The GPUs this process can train on with NCCL (0 without CUDA or NCCL)."""
+    """The GPUs this process can train on with NCCL (0 without CUDA or NCCL); PyTorch is not even
+    imported where no GPU can be (no driver on this Linux host, or ``CUDA_VISIBLE_DEVICES`` empty)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or (
+            sys.platform.startswith("linux") and not any(os.path.exists(path) for path in GPU_DRIVER_FILES)):
+        return 0
+    import torch
+    import torch.distributed as dist
+
     return torch.cuda.device_count() if torch.cuda.is_available() and dist.is_nccl_available() else 0
 
 
@@ -44,9 +55,11 @@ def resolve_backend(requested: str | None, device: str = "auto") -> str:
     return "nccl" if device != "cpu" and gpus > 0 else "gloo"
 
 
-def device_for(backend: str, local_rank: int, workers_on_host: int, gpus: int, where: str) -> torch.device:
+def device_for(backend: str, local_rank: int, workers_on_host: int, gpus: int, where: str) -> "torch.device":
     """This worker's device: the CPU with Gloo; with NCCL the GPU of its local rank, after checking
     that the host has a GPU for every one of its workers (:func:`check_gpus`)."""
+    import torch
+
     if backend != "nccl":
         return torch.device("cpu")
     check_gpus(workers_on_host, gpus, where)

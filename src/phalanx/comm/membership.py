@@ -22,7 +22,6 @@ from typing import Any
 
 from phalanx import faults
 from phalanx.comm import auth
-from phalanx.comm.sealed_store import SealedStore
 from phalanx.errors import AuthenticationError, CollectiveTimeoutError, WorkerFailedError
 
 HEARTBEAT_INTERVAL_S = 0.25
@@ -129,6 +128,8 @@ class ElasticClient:
             if reason != "start":
                 faults.point("reform.request")
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+            from phalanx.comm.sealed_store import SealedStore  # a worker's: the launcher never needs torch's Store
+
             return dict(json.loads(SealedStore(self.store, self.secret, timeout_s).get(key)))
         except AuthenticationError as error:
             raise AuthenticationError(

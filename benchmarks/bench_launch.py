@@ -1,0 +1,70 @@
+"""How long a job takes to start and end: ``phalanx run`` against ``torchrun``, same script.
+
+    python benchmarks/bench_launch.py
+    python benchmarks/bench_launch.py --workers 1 2 4 --reps 9
+
+The script imports phalanx, joins the job (``px.init()``), passes one barrier and exits: what is
+measured is the launcher's own cost (starting workers, the rendezvous, shutting down), which every
+short job, test and ``phalanx tune`` trial pays. Each repetition runs both launchers, in an order
+rotated per repetition; reported are the median wall time of each and the median of the paired
+ratios phalanx / torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = """\
+import torch
+import phalanx as px
+
+torch.set_num_threads(1)
+px.init()
+px.barrier()
+"""
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+parser.add_argument("--reps", type=int, default=7)
+args = parser.parse_args()
+
+
+def commands(script: Path, workers: int) -> dict[str, list[str]]:
+    return {"phalanx run": [sys.executable, "-m", "phalanx", "run", "-n", str(workers), str(script)],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
+                         "--standalone", str(script)]}
+
+
+def seconds(command: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "barrier.py"
+        script.write_text(SCRIPT)
+        print("| workers | phalanx run (s) | torchrun (s) | phalanx / torchrun [min..max] |")
+        print("|---|---|---|---|")
+        for workers in args.workers:
+            variants = commands(script, workers)
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            names = list(variants)
+            for rep in range(args.reps):
+                for name in names[rep % 2:] + names[:rep % 2]:
+                    times[name].append(seconds(variants[name]))
+            ratios = [a / b for a, b in zip(times["phalanx run"], times["torchrun"])]
+            print(f"| {workers} | {statistics.median(times['phalanx run']):.2f} | "
+                  f"{statistics.median(times['torchrun']):.2f} | {statistics.median(ratios):.2f}x "
+                  f"[{min(ratios):.2f}..{max(ratios):.2f}] |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
