@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")  # as the user set it, for the cuda tests
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -86,3 +87,44 @@ def two_hosts():
     finally:
         for host in hosts:
             ip("netns", "del", host)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray cluster of 2 CPUs for the suite's Ray tests (started once: about 5 s), with its
+    own token; yields the environment a driver connects with (``RAY_ADDRESS`` set). Skips where
+    Ray is not installed (``pip install 'phalanx[ray]'``; ``make test`` installs it)."""
+    pytest.importorskip("ray.train", reason="Ray is not installed: pip install 'phalanx[ray]'")
+    folder = tmp_path_factory.mktemp("ray")
+    session = tempfile.mkdtemp(prefix="pxray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    token = folder / "token"
+    token.write_text(os.urandom(32).hex())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    port = _free_port()
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=0",
+                             "--include-dashboard=false", f"--temp-dir={session}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    try:
+        ready = subprocess.run([sys.executable, "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"],
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert ready.returncode == 0, ready.stderr[-3000:]
+        yield env
+    finally:
+        os.killpg(head.pid, 2)  # `ray start --block` stops its cluster in about 1 s on SIGINT (30 s on SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, 9)
+            head.wait()
+        shutil.rmtree(session, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -66,3 +66,13 @@ def test_a_script_that_makes_no_steps_is_stopped_at_the_deadline(tmp_path: Path)
     script.write_text("import time\nimport phalanx as px\npx.init()\ntime.sleep(120)\n")
     with pytest.raises(px.WorkerFailedError, match="0 of 25 optimizer steps after 3 s; stopping the script"):
         px.diagnose(str(script), workers=2, steps=20, warmup=5, timeout_s=3)
+
+
+def test_a_script_that_trains_through_ray_is_refused_with_what_to_run_instead(ray_cluster: dict[str, str],
+                                                                             tmp_path: Path) -> None:
+    driver = tmp_path / "ray_driver.py"
+    driver.write_text("import ray\nray.init(log_to_driver=False)\nprint('a TorchTrainer would train here')\n")
+    done = subprocess.run([sys.executable, "-m", "phalanx", "doctor", "-n", "1", str(driver)], cwd=tmp_path,
+                          env=ray_cluster, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the script trains through Ray" in done.stderr and "docs/ray.md" in done.stderr, done.stderr

@@ -41,10 +41,15 @@ def collect(script: str, args: Sequence[str], workers: int, steps: int, warmup: 
                               timeout_s=timeout_s)
         output = io.StringIO()
         result = Supervisor(config, output, output).run()
+        records = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank-*.json"))]
+        if any(record.get("started_ray") for record in records):
+            raise ConfigurationError(
+                "the script trains through Ray: its steps run in Ray's worker processes, which the doctor does not "
+                "instrument. Run the doctor on the training itself (the function your TorchTrainer runs, called "
+                "from a plain script: px.fit works the same under phalanx run), see docs/ray.md.")
         if result.exit_code != 0:
             raise WorkerFailedError(f"the script failed under the doctor on {workers} worker(s):\n"
                                     f"{result.describe() or output.getvalue()[-4000:]}")
-        records = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank-*.json"))]
     incomplete = [r["rank"] for r in records if not r["complete"]]
     if len(records) != workers or incomplete:
         raise ConfigurationError(

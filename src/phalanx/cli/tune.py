@@ -4,7 +4,8 @@
     phalanx tune --report tune-train
 
 Everything after the script belongs to the script. Running the same command again continues the
-study (trials interrupted by a kill run again); several hosts share a study through ``--storage``.
+study (trials interrupted by a kill run again); several hosts share a study through ``--storage``,
+or a Ray cluster runs the trials (``--on ray``, :mod:`phalanx.tune.ray_runner`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from phalanx.host import usable_cores
 from phalanx.tune import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:  # Optuna is imported when a search runs, not by every `phalanx run`
+    import optuna
+
     from phalanx.tune import runner, study as studies
 
 SEARCH_FILE = "search.json"
@@ -68,6 +71,12 @@ def add_parser(commands: argparse._SubParsersAction) -> tuple[argparse.ArgumentP
     option("--study", metavar="NAME", help="the study's name (default: the script's name)")
     option("--timeout", type=float, metavar="SECONDS", help="start no trial after this long")
     option("--seed", type=int, metavar="N", help="seed of the sampler")
+    option("--on", choices=("local", "ray"), default="local",
+           help="where trials run: this machine (phalanx run jobs), or a Ray cluster (Ray Train jobs scheduled "
+                "by Ray Tune; pip install 'phalanx[ray]'; see docs/ray.md)")
+    option("--ray-address", metavar="ADDR", help="with --on ray: the cluster (default $RAY_ADDRESS, else a local one)")
+    option("--cpus-per-worker", type=float, default=1.0, metavar="C", help="with --on ray: CPUs per worker (default 1)")
+    option("--gpus-per-worker", type=float, default=0.0, metavar="G", help="with --on ray: GPUs per worker (default 0)")
     option("--report", metavar="DIR", help="print and draw the results of the study in DIR again, and exit")
     tune.add_argument("target", nargs="?", metavar="script.py", help="the script each trial runs")
     tune.add_argument("args", nargs="*", metavar="args", help="arguments passed to the script unchanged")
@@ -91,8 +100,11 @@ def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
         print(f"phalanx tune: trial(s) {taken} were interrupted; their parameters run again", flush=True)
     done = len(studies.counted(study))
     print(f"phalanx tune: study {search.name!r} in {search.storage}: {done} of {search.trials} trials done", flush=True)
-    runner.warn_oversubscription(namespace.jobs, job.workers, usable_cores(), lambda line: print(line, flush=True))
-    runner.Runner(search, study, job, namespace.jobs, directory, namespace.timeout).run()
+    if namespace.on == "ray":
+        _run_on_ray(namespace, search, study, job, directory)
+    else:
+        runner.warn_oversubscription(namespace.jobs, job.workers, usable_cores(), lambda line: print(line, flush=True))
+        runner.Runner(search, study, job, namespace.jobs, directory, namespace.timeout).run()
     for line in results.write(study, directory, search.metric):
         print(line, flush=True)
     unreported = studies.unreported_metric(study, search.metric)
@@ -129,6 +141,17 @@ def _configure(namespace: argparse.Namespace,
         direction=namespace.direction or space.direction or "minimize",
         sampler=sampler, pruner=namespace.pruner, seed=namespace.seed)
     return search, runner.Job(script, tuple(script_args), namespace.nproc_per_node), directory
+
+
+def _run_on_ray(namespace: argparse.Namespace, search: "studies.Search", study: "optuna.Study", job: "runner.Job",
+                directory: Path) -> None:
+    try:
+        from phalanx.tune import ray_runner
+    except ImportError as error:
+        raise ConfigurationError(f"--on ray needs Ray Train and Tune ({error}): pip install 'phalanx[ray]'.") from None
+    placement = ray_runner.Placement(job.workers, namespace.cpus_per_worker, namespace.gpus_per_worker)
+    ray_runner.run(search, study, job, placement, namespace.jobs, directory, namespace.ray_address, namespace.timeout,
+                   lambda line: print(line, flush=True))
 
 
 def _remember(directory: Path, search: "studies.Search") -> None:

@@ -140,6 +140,21 @@ class Torchrun(Environment):
         )
 
 
+class RayTrain(Environment):
+    """A Ray Train worker (``TorchTrainer``): torchrun's variables, which Ray sets, with its node rank.
+
+    Ray has already formed the process group; ``px.init`` adopts it. See docs/ray.md.
+    """
+
+    name = "ray"
+
+    def detected(self) -> bool:
+        return "RAY_JOB_ID" in self.env and all(key in self.env for key in ("RANK", "WORLD_SIZE", "NODE_RANK"))
+
+    def info(self) -> LaunchInfo:
+        return dataclasses.replace(Torchrun(self.env).info(), source=self.name, node_rank=self._int("NODE_RANK"))
+
+
 class Slurm(Environment):
     """``srun``: ranks from ``SLURM_PROCID``; the first host of the node list is the master."""
 
@@ -214,7 +229,7 @@ class Pmi(Environment):
         )
 
 
-ENVIRONMENTS: tuple[type[Environment], ...] = (PhalanxLauncher, Torchrun, Slurm, OpenMPI, Pmi)
+ENVIRONMENTS: tuple[type[Environment], ...] = (PhalanxLauncher, RayTrain, Torchrun, Slurm, OpenMPI, Pmi)
 
 
 def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:

@@ -88,7 +88,7 @@ class Session:
             self.load.append(load.snapshot())
         record = {"rank": runtime.rank() if runtime.is_initialized() else 0, "warmup": self.warmup,
                   "host": _host_facts(), "events": list(self.recorder.events), "complete": complete,
-                  "load": self.load}
+                  "load": self.load, "started_ray": _started_ray()}
         if runtime.is_initialized():
             record.update(world_size=runtime.size(), local_size=runtime.local_size(), node=runtime.node_rank(),
                           transport="shm" if runtime.shm_executor() is not None else "gloo")
@@ -107,6 +107,13 @@ class Session:
             if name == "launch":
                 sizes[int(fields["bucket"])] = int(fields["bytes"])
         return [sizes[index] for index in sorted(sizes)]
+
+
+def _started_ray() -> bool:
+    """Whether the script started or joined a Ray cluster: its training then runs in Ray's worker
+    processes, which the doctor does not instrument."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
 
 
 def _host_facts() -> dict[str, Any]:

@@ -22,7 +22,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -81,9 +81,10 @@ def _set_aside_later(directory: Path, past: int) -> None:
                   f"take for this run's: moved {', '.join(path.name for path in later)} to {aside}.", stacklevel=3)
 
 
-def restore(state: TrainState, directory: str | Path, weights_only: bool = True) -> Path | None:
-    """Load the newest readable checkpoint into ``state``; return its path (``None`` if there is none)."""
-    found = _newest(Path(directory), weights_only) if runtime.is_master() else None
+def restore(state: TrainState, directories: Sequence[str | Path], weights_only: bool = True) -> Path | None:
+    """Load the newest readable checkpoint of ``directories`` into ``state`` (the highest step wins);
+    return its path (``None`` if there is none)."""
+    found = _newest([Path(d) for d in directories], weights_only) if runtime.is_master() else None
     found = collectives.broadcast_object(found, root=0)
     if found is None:
         return None
@@ -103,9 +104,10 @@ def restore(state: TrainState, directory: str | Path, weights_only: bool = True)
     return path
 
 
-def _newest(directory: Path, weights_only: bool) -> tuple[Path, dict[str, Any]] | None:
-    """The newest readable checkpoint or elastic commit in ``directory``, with its path."""
-    candidates = [checkpoint_io.find_latest(directory, weights_only), _elastic_last(directory / ELASTIC_LAST)]
+def _newest(directories: Sequence[Path], weights_only: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The newest readable checkpoint or elastic commit in ``directories``, with its path."""
+    candidates = [found for directory in directories for found in
+                  (checkpoint_io.find_latest(directory, weights_only), _elastic_last(directory / ELASTIC_LAST))]
     found = [candidate for candidate in candidates if candidate is not None]
     return max(found, key=lambda candidate: candidate[1]["global_step"], default=None)
 

@@ -19,6 +19,7 @@ A loop is also a callback: define any of :mod:`phalanx.train.callbacks`' hooks o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -38,7 +39,7 @@ from phalanx.sharding import mix_seed
 from phalanx.strategies.base import FitOptions, Replicated, Strategy
 from phalanx.strategies.client import ServerOptimizer
 from phalanx.strategies.parameter_server import ParameterServer
-from phalanx.train import callbacks as cb, checkpoint, options
+from phalanx.train import callbacks as cb, checkpoint, options, ray_session
 from phalanx.train.async_loop import train_async
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
@@ -139,7 +140,12 @@ class Loop:
             return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics),
                           self.clipping)
         self.state = self._start(loader, rates)
-        self._train_with(val_loader)
+        ray = ray_session.RaySession(self._checkpoint_folder()) if ray_session.active() else None
+        try:
+            self._train_with(val_loader, ray)
+        finally:
+            if ray is not None:
+                ray.close()
         return self.state.history
 
     def _check(self) -> None:
@@ -175,18 +181,27 @@ class Loop:
                           validation_step=self.validation_step,
                           manual=None if self.automatic_optimization else self._manual)
 
-    def _train_with(self, val_loader: DistributedLoader | None) -> None:
+    def _checkpoint_folder(self) -> str | Path | None:
+        """Where checkpoints are written: ``checkpoint_dir``, else a Checkpoint callback's folder."""
+        given = [c.directory for c in self.callbacks if isinstance(c, cb.Checkpoint)]
+        return self.checkpoint_dir if self.checkpoint_dir is not None or not given else given[0]
+
+    def _train_with(self, val_loader: DistributedLoader | None, ray: ray_session.RaySession | None) -> None:
         """Train under the strategy; a worker that fails drops its connections instead of saying
-        goodbye, so that parameter servers count it as lost rather than finished."""
+        goodbye, so that parameter servers count it as lost rather than finished. Under Ray Train,
+        checkpoints always exist (in a scratch folder without ``checkpoint_dir``) and are reported."""
         state = self.state
         assert state is not None
+        checkpoint_dir = self.checkpoint_dir if ray is None else ray.checkpoint_dir
         hooks = cb.CallbackList([self, *_callbacks(self.callbacks, self.verbose, self.global_batch_size,
-                                                   self.checkpoint_dir, self.checkpoint_every, self.log_dir)])
-        prepare = functools.partial(_prepare, state, self.checkpoint_dir if self.resume else None, self.verbose)
+                                                   checkpoint_dir, self.checkpoint_every,
+                                                   self.log_dir or self.checkpoint_dir),
+                                 *([ray.callback()] if ray is not None else [])])
+        prepare = functools.partial(_prepare, state, checkpoint_dir if self.resume else None, self.verbose, ray)
         state.lockstep = not self.strategy.asynchronous
         try:
             if state.lockstep:
-                _train(state, hooks, val_loader, self.checkpoint_dir, prepare)
+                _train(state, hooks, val_loader, checkpoint_dir, prepare)
             else:
                 prepare()
                 train_async(state, hooks, val_loader, self.strategy.client)
@@ -210,19 +225,22 @@ def _serve(strategy: Strategy, model: nn.Module, optimizer: Any, loader: Distrib
     return History.from_state_dict(history) if history is not None else History()
 
 
-def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int) -> None:
-    """Continue from the newest readable checkpoint in ``checkpoint_dir``, if any (collective), and
-    note the learning rates the schedule starts from."""
-    if checkpoint_dir is not None:
-        faults.point("fit.resume")
-        resumed_from = checkpoint.restore(state, checkpoint_dir)
-        if resumed_from is not None:
-            _report_resume(state, resumed_from, checkpoint_dir, verbose)
+def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int,
+             ray: ray_session.RaySession | None) -> None:
+    """Continue from the newest readable checkpoint in ``checkpoint_dir`` or the one Ray handed back
+    after a restart, if any (collective), and note the learning rates the schedule starts from."""
+    with ray.handed_back() if ray is not None else contextlib.nullcontext() as handed:
+        folders = [folder for folder in (checkpoint_dir, handed) if folder is not None]
+        if folders:
+            faults.point("fit.resume")
+            resumed_from = checkpoint.restore(state, folders)
+            if resumed_from is not None:
+                _report_resume(state, resumed_from, verbose)
     if not state.scheduled_lrs:
         state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
 
 
-def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, verbose: int) -> None:
+def _report_resume(state: TrainState, path: Path, verbose: int) -> None:
     """Rank 0 says which checkpoint the run continues from, and when it leaves nothing to train.
 
     The epoch is the one (counted from 1) of the last step the checkpoint holds; the step is the
@@ -235,7 +253,7 @@ def _report_resume(state: TrainState, path: Path, checkpoint_dir: str | Path, ve
     if state.epoch >= state.epochs:
         done = (f"{state.epoch} of {state.epochs} epochs" if state.epoch == state.epochs
                 else f"{state.epoch} epochs, more than epochs={state.epochs}")
-        lines.append(f"training was already complete ({done}); nothing to do — delete {checkpoint_dir} "
+        lines.append(f"training was already complete ({done}); nothing to do — delete {path.parent} "
                      "or pass resume=False to train again")
     for line in lines:
         logger.info(line)
@@ -375,7 +393,6 @@ def _callbacks(user: Sequence[Any], verbose: int, global_batch_size: int, checkp
         chosen.append(cb.ProgressBar(global_batch_size))
     if tune.active():
         chosen.append(cb.TuneReport())
-    log_dir = log_dir or checkpoint_dir
     if log_dir is not None:
         chosen.append(cb.CSVLogger(Path(log_dir) / "metrics.csv"))
         if cb.TensorBoard.available():

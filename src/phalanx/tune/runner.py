@@ -80,10 +80,9 @@ class Runner:
             started = self._start_next()
             if started is None:
                 return
-            trial, params = started
-            self._finish(trial, params, self._launch(trial))
+            self._finish(started, self._launch(started))
 
-    def _start_next(self) -> tuple[optuna.Trial, dict] | None:
+    def _start_next(self) -> optuna.Trial | None:
         """Ask for a trial unless enough are counted or running; None when this runner is done."""
         with self._lock:
             if len(studies.counted(self.study)) + len(studies.running(self.study)) >= self.search.trials:
@@ -98,8 +97,8 @@ class Runner:
             if not studies.claim(self.study, trial, self.search.trials):
                 return None
             params = self.search.space.suggest(trial)
-        self.say(f"trial {trial.number} started: {_format(params)}")
-        return trial, params
+        self.say(f"trial {trial.number} started: {format_params(params)}")
+        return trial
 
     def _launch(self, trial: optuna.Trial) -> int:
         folder = self.directory / "trials" / f"{trial.number:04d}"
@@ -120,41 +119,10 @@ class Runner:
                 self._processes.pop(trial._trial_id, None)
         return code
 
-    def _finish(self, trial: optuna.Trial, params: dict, code: int) -> None:
+    def _finish(self, trial: optuna.Trial, code: int) -> None:
         """Tell the study how the trial ended (unless the search is being stopped: it stays running)."""
-        if self._stop.is_set():
-            return
-        frozen = self.study._storage.get_trial(trial._trial_id)
-        curve = frozen.user_attrs.get(CURVE_ATTR, {})
-        log = self.directory / "trials" / f"{trial.number:04d}" / "log.txt"
-        if PRUNED_ATTR in frozen.user_attrs:
-            self._tell(trial, state=TrialState.PRUNED)
-            self.say(f"trial {trial.number} pruned at step {frozen.user_attrs[PRUNED_ATTR]}")
-        elif code == 0 and _last(curve, self.search.metric) is not None:
-            value = _last(curve, self.search.metric)
-            self._tell(trial, value)
-            self.say(f"trial {trial.number} complete: {self.search.metric} {value:.6g}")
-        else:
-            if code:
-                why = f"exit code {code}"
-            else:
-                others = sorted(studies.reported([frozen]))
-                why = f"the script never reported {self.search.metric!r}, " + (
-                    f"only {', '.join(others)}" if others else "nor any metric (px.fit reports its epoch metrics; "
-                    "px.tune.report(step, **metrics) in a custom loop)")
-                studies.mark_without_metric(self.study, trial)
-            studies.record_error(self.study, trial, f"{why}\n{_tail(log)}")
-            self._tell(trial, state=TrialState.FAIL)
-            self.say(f"trial {trial.number} failed ({why}); its log: {log}")
-
-    def _tell(self, trial: optuna.Trial, value: float | None = None, state: TrialState | None = None) -> None:
-        """``study.tell``; the grid sampler's request to stop once its grid is covered is not an error
-        here (this runner stops by counting trials), and the state is recorded either way."""
-        try:
-            self.study.tell(trial, value, state=state)
-        except RuntimeError as error:
-            if "Study.stop" not in str(error):
-                raise
+        if not self._stop.is_set():
+            settle(self.study, self.search, trial, f"exit code {code}" if code else None, self.directory, self.say)
 
     def _kill_all(self) -> None:
         with self._lock:
@@ -174,6 +142,44 @@ class Runner:
         return self.deadline is not None and time.monotonic() > self.deadline
 
 
+def settle(study: optuna.Study, search: Search, trial: optuna.Trial, failure: str | None, directory: Path,
+           say: Callable[[str], None]) -> None:
+    """Tell ``study`` how ``trial`` ended, from what it recorded itself: pruned (it was told to stop),
+    complete (the value is the metric's last report), or failed (``failure``, or no report of the
+    metric although it ended normally) with the tail of its log."""
+    frozen = study._storage.get_trial(trial._trial_id)
+    curve = frozen.user_attrs.get(CURVE_ATTR, {})
+    log = directory / "trials" / f"{trial.number:04d}" / "log.txt"
+    value = _last(curve, search.metric)
+    if PRUNED_ATTR in frozen.user_attrs:
+        _tell(study, trial, state=TrialState.PRUNED)
+        say(f"trial {trial.number} pruned at step {frozen.user_attrs[PRUNED_ATTR]}")
+    elif failure is None and value is not None:
+        _tell(study, trial, value)
+        say(f"trial {trial.number} complete: {search.metric} {value:.6g}")
+    else:
+        if failure is None:
+            others = sorted(studies.reported([frozen]))
+            failure = f"the script never reported {search.metric!r}, " + (
+                f"only {', '.join(others)}" if others else "nor any metric (px.fit reports its epoch metrics; "
+                "px.tune.report(step, **metrics) in a custom loop)")
+            studies.mark_without_metric(study, trial)
+        studies.record_error(study, trial, f"{failure}\n{_tail(log)}")
+        _tell(study, trial, state=TrialState.FAIL)
+        say(f"trial {trial.number} failed ({failure}); its log: {log}")
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
+          state: TrialState | None = None) -> None:
+    """``study.tell``; the grid sampler's request to stop once its grid is covered is not an error
+    here (runners stop by counting trials), and the state is recorded either way."""
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as error:
+        if "Study.stop" not in str(error):
+            raise
+
+
 def _last(curve: dict[str, dict[str, float]], metric: str) -> float | None:
     steps = sorted((int(step) for step, metrics in curve.items() if metric in metrics))
     return curve[str(steps[-1])][metric] if steps else None
@@ -186,7 +192,7 @@ def _tail(path: Path, lines: int = ERROR_TAIL_LINES) -> str:
         return ""
 
 
-def _format(params: dict) -> str:
+def format_params(params: dict) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 

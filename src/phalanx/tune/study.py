@@ -119,8 +119,7 @@ def claim(study: optuna.Study, trial: optuna.Trial, total: int) -> bool:
     """Mark ``trial`` as this runner's; False (and the trial set aside) when T trials are already
     counted or running, which happens when several runners ask at the same moment."""
     storage = study._storage
-    storage.set_trial_system_attr(trial._trial_id, RUNNER_ATTR, runner_id())
-    storage.set_trial_system_attr(trial._trial_id, ALIVE_ATTR, time.time())
+    mark_runner(study, trial)
     before = [t for t in study.get_trials(deepcopy=False) if t.number < trial.number
               and (counts(t) or (t.state == TrialState.RUNNING and not t.system_attrs.get(SURPLUS_ATTR)))]
     if len(before) < total:
@@ -130,6 +129,13 @@ def claim(study: optuna.Study, trial: optuna.Trial, total: int) -> bool:
     if trial.params:  # queued parameters (an interrupted trial's) go back for the runner that needs them
         study.enqueue_trial(trial.params, skip_if_exists=False)
     return False
+
+
+def mark_runner(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Mark ``trial`` as run by this process, alive now (a search started again takes it over once
+    this process is gone)."""
+    study._storage.set_trial_system_attr(trial._trial_id, RUNNER_ATTR, runner_id())
+    study._storage.set_trial_system_attr(trial._trial_id, ALIVE_ATTR, time.time())
 
 
 def mark_alive(study: optuna.Study, trial_ids: list[int]) -> None:

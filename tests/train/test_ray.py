@@ -1,0 +1,72 @@
+"""px.fit inside Ray Train on a local Ray cluster: reporting, checkpoints, a restart after a kill."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from phalanx.comm.environment import detect
+from phalanx.train import checkpoint_io
+
+HERE = Path(__file__).parent
+JOB = HERE / "ray_job.py"
+
+
+def test_a_ray_train_worker_is_detected_with_rays_node_rank() -> None:
+    env = {"RAY_JOB_ID": "01000000", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3",
+           "NODE_RANK": "1"}  # ranks 0-2 on node 0, rank 3 alone on node 1: rank // local size would say 0... or 1
+    info = detect(env)
+    assert (info.source, info.rank, info.world_size, info.local_rank, info.node_rank) == ("ray", 3, 4, 0, 1)
+    env.pop("RAY_JOB_ID")
+    assert detect(env).source == "torchrun"
+
+
+def final_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    found = checkpoint_io.find_latest(folder)
+    assert found is not None, f"no checkpoint in {folder}"
+    return found[1]["model"]
+
+
+def test_fit_reports_to_ray_and_a_killed_worker_resumes_from_rays_checkpoint_bitwise(ray_cluster: dict[str, str],
+                                                                                   tmp_path: Path) -> None:
+    storage = tmp_path / "storage"
+    ran = subprocess.run([sys.executable, str(JOB), str(storage), "killed", "--kill-at-epoch", "3"], cwd=tmp_path,
+                         env=ray_cluster, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
+    result = json.loads(ran.stdout.split("RESULT ", 1)[1])
+    assert result["killed"], "the worker was not killed: the test tested nothing"
+    # Reporting: the last epoch's global metrics are Ray's result, with phalanx's checkpoint in Ray's storage.
+    assert result["metrics"]["epoch"] == 4 and result["metrics"]["global_step"] == 32
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(result["metrics"])
+    assert Path(result["checkpoint"]).parent == storage / "killed"
+    # The attempt that finished began after epoch 1 on every rank, from what Ray handed back.
+    assert len(result["traces"]) == 2, result["traces"]
+    for trace in result["traces"]:
+        assert trace["layout"]["px"] == trace["layout"]["ray"]
+        assert trace["started"][0][0] >= 1 and trace["started"][0][1] == 0, trace
+        assert [epoch for epoch, _ in trace["started"]] == list(range(trace["started"][0][0], 4))
+    # Bitwise: the restarted 2-worker run ends where one uninterrupted process without Ray does.
+    reference = tmp_path / "reference"
+    alone = subprocess.run([sys.executable, str(JOB), "--reference", str(reference)], cwd=tmp_path,
+                           env={k: v for k, v in ray_cluster.items() if k != "RAY_ADDRESS"},
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    expected, got = final_weights(reference), final_weights(result["checkpoint"])
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_px_fit_outside_ray_imports_no_ray() -> None:
+    script = ("import sys, torch, torch.nn.functional as F, phalanx as px\n"
+              "model = torch.nn.Linear(2, 2)\n"
+              "px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,\n"
+              "       (torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), epochs=1, global_batch_size=2, verbose=0)\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,46 @@
+"""``phalanx tune --on ray``: the same search on a local Ray cluster, interrupted and resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.tune.test_search import HERE, rows, tune_command, write_space
+
+SPACE = {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}}
+
+
+def test_a_search_on_ray_runs_two_trials_at_a_time_prunes_resumes_and_writes_its_results(
+        ray_cluster: dict[str, str], tmp_path: Path) -> None:
+    space = write_space(tmp_path, SPACE)
+    command = tune_command("--on", "ray", "-j", "2", "--space", space, "--trials", "4", "--metric", "val_loss",
+                           "--seed", "0", str(HERE / "fit_trial.py"), "5")  # trial 5 learns nothing: pruned
+    # Interrupted (Ctrl-C) once its first two trials started on the cluster...
+    first = subprocess.Popen(command, cwd=tmp_path, env=ray_cluster, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in first.stdout:
+        seen.append(line)
+        if line.startswith("trial 1 started"):
+            break
+    first.send_signal(signal.SIGINT)
+    rest, _ = first.communicate(timeout=60)
+    assert "trial 0 started" in "".join(seen), "".join(seen) + rest
+    # ...and started again: trials 0 and 1 run again as 2 and 3, then 4 and 5; the study ends with 4.
+    again = subprocess.run(command, cwd=tmp_path, env=ray_cluster, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "were interrupted; their parameters run again" in again.stdout, again.stdout
+    assert "on Ray at" in again.stdout
+    directory = tmp_path / "tune-fit_trial"
+    table = rows(directory)
+    assert [row["number"] for row in table] == ["2", "3", "4", "5"], table
+    # 2 and 3 ran before any trial completed: the median pruner cannot stop them; 5 is stopped, as locally.
+    assert [row["state"] for row in table[:2]] == ["COMPLETE"] * 2 and table[3]["state"] == "PRUNED", table
+    for path in ("metric_vs_lr.png", "runtime.png", "learning_curves.png"):
+        assert (directory / path).stat().st_size > 0, path
+    log = Path(table[3]["log"]).read_text()
+    assert int(log.split("epochs trained")[1].split()[0]) < 5, log
+    assert not any(name.startswith("ray") for name in os.listdir(tmp_path) if name != "tune-fit_trial"), \
+        os.listdir(tmp_path)
