@@ -100,7 +100,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     token = folder / "token"
     token.write_text(os.urandom(32).hex())
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
+               RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")  # Ray Train notices an ended or dead worker sooner (2 s)
     port = _free_port()
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=0",

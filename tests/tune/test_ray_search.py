@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.tune.test_search import HERE, rows, tune_command, write_space
@@ -44,3 +45,14 @@ def test_a_search_on_ray_runs_two_trials_at_a_time_prunes_resumes_and_writes_its
     assert int(log.split("epochs trained")[1].split()[0]) < 5, log
     assert not any(name.startswith("ray") for name in os.listdir(tmp_path) if name != "tune-fit_trial"), \
         os.listdir(tmp_path)
+
+
+def test_on_ray_without_ray_installed_says_what_to_install(tmp_path: Path) -> None:
+    space = write_space(tmp_path, SPACE)
+    hidden = ("import sys; sys.modules['ray'] = None\n"  # what an environment without Ray looks like to an import
+              "from phalanx.cli.main import main; raise SystemExit(main())")
+    done = subprocess.run([sys.executable, "-c", hidden, "tune", "--on", "ray", "--space", space, "--trials", "1",
+                           str(HERE / "fit_trial.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--on ray needs Ray Train and Tune" in done.stderr and "pip install 'phalanx[ray]'" in done.stderr
+    assert not (tmp_path / "tune-fit_trial").exists()  # refused before the study was made

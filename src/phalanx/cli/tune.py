@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Sequence
 
 from typing import TYPE_CHECKING
@@ -24,8 +25,6 @@ from phalanx.host import usable_cores
 from phalanx.tune import PRUNERS, SAMPLERS
 
 if TYPE_CHECKING:  # Optuna is imported when a search runs, not by every `phalanx run`
-    import optuna
-
     from phalanx.tune import runner, study as studies
 
 SEARCH_FILE = "search.json"
@@ -93,6 +92,7 @@ def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
     if namespace.report:
         return _report(Path(namespace.report))
     search, job, directory = _configure(namespace, script_args)
+    on_ray = _ray_runner() if namespace.on == "ray" else None  # before the study exists: nothing to undo
     study = studies.open_study(search)
     _remember(directory, search)
     taken = studies.take_over_interrupted(study)
@@ -100,8 +100,10 @@ def run(namespace: argparse.Namespace, script_args: Sequence[str]) -> int:
         print(f"phalanx tune: trial(s) {taken} were interrupted; their parameters run again", flush=True)
     done = len(studies.counted(study))
     print(f"phalanx tune: study {search.name!r} in {search.storage}: {done} of {search.trials} trials done", flush=True)
-    if namespace.on == "ray":
-        _run_on_ray(namespace, search, study, job, directory)
+    if on_ray is not None:
+        placement = on_ray.Placement(job.workers, namespace.cpus_per_worker, namespace.gpus_per_worker)
+        on_ray.run(search, study, job, placement, namespace.jobs, directory, namespace.ray_address, namespace.timeout,
+                   lambda line: print(line, flush=True))
     else:
         runner.warn_oversubscription(namespace.jobs, job.workers, usable_cores(), lambda line: print(line, flush=True))
         runner.Runner(search, study, job, namespace.jobs, directory, namespace.timeout).run()
@@ -143,15 +145,12 @@ def _configure(namespace: argparse.Namespace,
     return search, runner.Job(script, tuple(script_args), namespace.nproc_per_node), directory
 
 
-def _run_on_ray(namespace: argparse.Namespace, search: "studies.Search", study: "optuna.Study", job: "runner.Job",
-                directory: Path) -> None:
+def _ray_runner() -> ModuleType:
     try:
         from phalanx.tune import ray_runner
     except ImportError as error:
         raise ConfigurationError(f"--on ray needs Ray Train and Tune ({error}): pip install 'phalanx[ray]'.") from None
-    placement = ray_runner.Placement(job.workers, namespace.cpus_per_worker, namespace.gpus_per_worker)
-    ray_runner.run(search, study, job, placement, namespace.jobs, directory, namespace.ray_address, namespace.timeout,
-                   lambda line: print(line, flush=True))
+    return ray_runner
 
 
 def _remember(directory: Path, search: "studies.Search") -> None:
