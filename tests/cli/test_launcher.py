@@ -7,6 +7,7 @@ the launcher.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -234,6 +235,26 @@ def test_the_first_traceback_is_shown_once_and_the_others_in_one_line(tmp_path: 
     assert result.stderr.count("Traceback") == 1 and "[1] ValueError: the cause" in result.stderr, result.stderr
     assert "worker rank 1 (pid" in result.stderr and "failed with exit code 3: ValueError: the cause" in result.stderr
     assert result.stderr.endswith("\n  [0] exit code 1: ConnectionError: peer rank 1 is gone\n"), result.stderr
+
+
+def test_a_launcher_that_looks_late_still_holds_back_the_cause_until_it_exits(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher loads PyTorch (for the store) while its workers already run: on a busy host it
+    # may look at them only after both ended. Rank 1's traceback, 1 s before its exit, is still the cause.
+    from phalanx.cli import launcher
+
+    served = launcher.host_store
+    monkeypatch.setattr(launcher, "host_store", lambda *args: (time.sleep(launcher.HOLD_S + 1.5), served(*args))[1])
+    script = write_script(tmp_path, "cause.py", CAUSE_EXITS_LAST)
+    out, err = io.StringIO(), io.StringIO()
+    config = LaunchConfig(target=str(script), nproc_per_node=2, args=(str(tmp_path),), timeout_s=60)
+    with monkeypatch.context() as env:
+        for key, value in worker_env().items():
+            env.setenv(key, value)
+        result = launcher.Supervisor(config, out, err).run()
+    assert result.exit_code == 3, err.getvalue()
+    assert err.getvalue().count("Traceback") == 1 and "[1] ValueError: the cause" in err.getvalue(), err.getvalue()
+    assert "worker rank 1" in result.describe() and "ValueError: the cause" in result.describe(), result.describe()
 
 
 def test_workers_ignoring_sigterm_are_killed_with_their_children(tmp_path: Path) -> None:

@@ -256,10 +256,16 @@ class Supervisor:
         return self.workers
 
     def _show_stale_tracebacks(self) -> None:
-        """Tracebacks held :data:`HOLD_S` while their workers run on: handled errors, shown now."""
+        """Tracebacks held :data:`HOLD_S` while their workers run on: handled errors, shown now.
+
+        A worker that has exited is judged by when it exited, not by when this loop looks (it may
+        look late: the launcher loads PyTorch while the first workers already run)."""
         for worker in self.workers:
             since = worker.held.since
-            if since is not None and time.monotonic() > since + HOLD_S:
+            if since is None:
+                continue
+            ran_on_until = time.monotonic() if worker.running else (worker.exited_at or 0.0)
+            if ran_on_until > since + HOLD_S:
                 worker.show_held()
 
     def _stopped_by_signal(self, signum: int) -> LaunchResult:
