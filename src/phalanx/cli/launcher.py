@@ -292,11 +292,10 @@ class Supervisor:
         self.secret, saved = job_secret.resolve(config.hosts_store, config.max_nodes > 1, self._say)
         listener = bind_store(config.master_addr, config.master_port) if config.hosts_store else None
         port = listener.getsockname()[1] if listener is not None else config.master_port
-        if listener is not None and (config.max_nodes > 1 or config.elastic):
-            self._listener = listener
-            self._serve_store()  # other launchers and the coordinator need it before any worker starts
-        elif listener is not None:
-            self._listener = listener  # served once the workers started: they import PyTorch meanwhile
+        if listener is not None:
+            self._listener = listener  # a one-node job's store is served once its workers import PyTorch
+            if config.max_nodes > 1 or config.elastic:
+                self._serve_store()  # other launchers and the coordinator need it before any worker starts
         elif config.max_nodes > 1 or config.elastic:
             self.store = connect_store(config.master_addr, config.master_port, config.timeout_s)
             job_secret.prove(self.store, self.secret, config.node_rank, config.elastic)
