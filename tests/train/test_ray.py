@@ -17,12 +17,13 @@ JOB = HERE / "ray_job.py"
 
 
 def test_a_ray_train_worker_is_detected_with_rays_node_rank() -> None:
-    env = {"RAY_JOB_ID": "01000000", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3",
-           "NODE_RANK": "1"}  # ranks 0-2 on node 0, rank 3 alone on node 1: rank // local size would say 0... or 1
+    # Ranks 0-2 on node 0, rank 3 alone on node 1: torchrun's rule, rank // local size, would say node 3.
+    env = {"RAY_JOB_ID": "01000000", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "NODE_RANK": "1"}
     info = detect(env)
     assert (info.source, info.rank, info.world_size, info.local_rank, info.node_rank) == ("ray", 3, 4, 0, 1)
     env.pop("RAY_JOB_ID")
-    assert detect(env).source == "torchrun"
+    assert (detect(env).source, detect(env).node_rank) == ("torchrun", 3)
 
 
 def final_weights(folder: str | Path) -> dict[str, torch.Tensor]:
