@@ -29,6 +29,8 @@ def test_a_search_on_ray_runs_two_trials_at_a_time_prunes_resumes_and_writes_its
     first.send_signal(signal.SIGINT)
     rest, _ = first.communicate(timeout=60)
     assert "trial 0 started" in "".join(seen), "".join(seen) + rest
+    assert first.returncode == 130 and "stopped; run the same command again" in rest, "".join(seen) + rest
+    assert "complete" not in rest and "pruned" not in rest, rest  # nothing settled after Ctrl-C
     # ...and started again: trials 0 and 1 run again as 2 and 3, then 4 and 5; the study ends with 4.
     again = subprocess.run(command, cwd=tmp_path, env=ray_cluster, capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]

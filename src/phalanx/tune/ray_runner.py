@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optuna
 import ray
@@ -69,7 +70,7 @@ def run(search: Search, study: optuna.Study, job: Job, placement: Placement, job
     remaining = search.trials - len(studies.counted(study))
     if remaining <= 0:
         return
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # Ctrl-C stops the search as a local one: start it again
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # Ctrl-C is handled below, as in a local search
     _connect(address, say)
     searcher = StudySearch(search, directory, say, time.monotonic() + timeout_s if timeout_s else None)
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=TrialSpec(job, placement, search, directory)),
@@ -79,7 +80,27 @@ def run(search: Search, study: optuna.Study, job: Job, placement: Placement, job
                                                    max_concurrent_trials=jobs),
                        run_config=tune.RunConfig(name=f"{search.name}-{int(time.time())}",
                                                  storage_path=str(directory / "ray"), verbose=0))
-    tuner.fit()
+    with _stopped_by_ctrl_c(searcher):
+        tuner.fit()
+
+
+@contextlib.contextmanager
+def _stopped_by_ctrl_c(searcher: StudySearch) -> Iterator[None]:
+    """Ctrl-C (SIGINT) stops the search as it stops a local one: no trial is settled any more (the
+    running ones stay running in the study, and the same command runs them again), Ray Tune ends
+    its run (SIGUSR1, its own graceful stop, which also stops the trials), and KeyboardInterrupt
+    reaches the command line."""
+    def stop(signum: int, frame: object) -> None:
+        searcher.stopping = True
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if searcher.stopping:
+        raise KeyboardInterrupt
 
 
 def _connect(address: str | None, say: Callable[[str], None]) -> None:
@@ -106,10 +127,11 @@ class StudySearch(OptunaSearch):
                          mode="max" if search.direction == "maximize" else "min",
                          sampler=studies.sampler(search), study_name=search.name, storage=open_storage(search.storage))
         self.search, self.directory, self.say, self.deadline = search, directory, say, deadline
+        self.stopping = False  # Ctrl-C: start nothing, settle nothing
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
         """The next trial's config; none after ``--timeout`` (running trials finish, as locally)."""
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        if self.stopping or (self.deadline is not None and time.monotonic() > self.deadline):
             return Searcher.FINISHED
         params = super().suggest(trial_id)
         if params is None:
@@ -128,6 +150,8 @@ class StudySearch(OptunaSearch):
         again resumes from it, not from Ray's experiment folder)."""
 
     def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+        if self.stopping:
+            return
         settle(self._ot_study, self.search, self._ot_trials[trial_id],
                "the trial's Ray job failed" if error else None, self.directory, self.say)
 
