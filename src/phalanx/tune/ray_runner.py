@@ -21,6 +21,7 @@ import runpy
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -36,7 +37,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from phalanx.errors import ConfigurationError, WorkerFailedError
 from phalanx.tune import study as studies
-from phalanx.tune.runner import Job, format_params, settle
+from phalanx.tune.runner import Job, format_params, giving_up, settle
 from phalanx.tune.storage import open_storage
 from phalanx.tune.study import Search
 from phalanx.tune.trial import METRIC_ENV, PRUNER_ENV, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
@@ -71,6 +72,7 @@ def run(search: Search, study: optuna.Study, job: Job, placement: Placement, job
     if remaining <= 0:
         return
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # Ctrl-C is handled below, as in a local search
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"  # trials report to the study; a missing metric is settled
     _connect(address, say)
     searcher = StudySearch(search, directory, say, time.monotonic() + timeout_s if timeout_s else None)
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=TrialSpec(job, placement, search, directory)),
@@ -128,10 +130,17 @@ class StudySearch(OptunaSearch):
                          sampler=studies.sampler(search), study_name=search.name, storage=open_storage(search.storage))
         self.search, self.directory, self.say, self.deadline = search, directory, say, deadline
         self.stopping = False  # Ctrl-C: start nothing, settle nothing
+        self.gave_up = False  # said that the metric looks misspelt
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
-        """The next trial's config; none after ``--timeout`` (running trials finish, as locally)."""
+        """The next trial's config; none after ``--timeout`` or once the metric looks misspelt
+        (running trials finish), as locally."""
         if self.stopping or (self.deadline is not None and time.monotonic() > self.deadline):
+            return Searcher.FINISHED
+        if studies.metric_looks_wrong(self._ot_study, self.search.metric):
+            if not self.gave_up:
+                self.gave_up = True
+                self.say(giving_up(self.search.metric))
             return Searcher.FINISHED
         params = super().suggest(trial_id)
         if params is None:
@@ -190,3 +199,6 @@ def run_script(config: dict[str, Any]) -> None:
         except SystemExit as exit_:
             if exit_.code not in (None, 0):
                 raise WorkerFailedError(f"{config['script']} exited with code {exit_.code}") from None
+        except BaseException:
+            traceback.print_exc()  # into the trial's log, which the study's error quotes, as a local trial's
+            raise

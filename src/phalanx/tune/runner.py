@@ -90,8 +90,7 @@ class Runner:
             if studies.metric_looks_wrong(self.study, self.search.metric):
                 if not self._gave_up:
                     self._gave_up = True
-                    self.say(f"phalanx tune: stopping: {studies.GIVE_UP_AFTER} trials ended without reporting "
-                             f"{self.search.metric!r} and none reported it; no more trials start")
+                    self.say(giving_up(self.search.metric))
                 return None
             trial = self.study.ask()
             if not studies.claim(self.study, trial, self.search.trials):
@@ -140,6 +139,12 @@ class Runner:
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
+
+
+def giving_up(metric: str) -> str:
+    """What a runner says when it starts no more trials because ``metric`` looks misspelt."""
+    return (f"phalanx tune: stopping: {studies.GIVE_UP_AFTER} trials ended without reporting {metric!r} and none "
+            "reported it; no more trials start")
 
 
 def settle(study: optuna.Study, search: Search, trial: optuna.Trial, failure: str | None, directory: Path,
