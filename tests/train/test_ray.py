@@ -71,3 +71,38 @@ def test_px_fit_outside_ray_imports_no_ray() -> None:
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout.strip().splitlines()[-1] == "[]"
+
+
+TUNE_FUNCTION = """\
+import json, sys
+import torch, torch.nn.functional as F
+from ray import tune
+import phalanx as px
+
+def trial(config):
+    torch.set_num_threads(1)
+    inputs = torch.randn(128, 4, generator=torch.Generator().manual_seed(0))
+    targets = (inputs.sum(dim=1) > 0).long()
+    model = torch.nn.Linear(4, 2)
+    px.fit(model, torch.optim.SGD(model.parameters(), lr=config["lr"]), F.cross_entropy, (inputs, targets),
+           val_data=(inputs, targets), epochs=3, global_batch_size=32, verbose=0)
+
+grid = tune.Tuner(trial, param_space={"lr": tune.grid_search([0.1])},
+                  run_config=tune.RunConfig(storage_path=sys.argv[1], name="function")).fit()
+result = grid[0]
+print("RESULT " + json.dumps({"epoch": result.metrics["epoch"], "val_loss": result.metrics["val_loss"],
+                              "reports": result.metrics["training_iteration"], "checkpoint": result.checkpoint.path}))
+"""
+
+
+def test_fit_in_a_ray_tune_function_reports_each_epoch_to_tune_with_its_checkpoint(ray_cluster: dict[str, str],
+                                                                                  tmp_path: Path) -> None:
+    script = tmp_path / "tune_function.py"
+    script.write_text(TUNE_FUNCTION)
+    ran = subprocess.run([sys.executable, str(script), str(tmp_path / "storage")], cwd=tmp_path, env=ray_cluster,
+                         capture_output=True, text=True, timeout=180)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
+    result = json.loads(ran.stdout.split("RESULT ", 1)[1])
+    assert (result["epoch"], result["reports"]) == (3, 3), result  # one report per epoch
+    assert result["val_loss"] < 0.69, result
+    assert checkpoint_io.find_latest(result["checkpoint"])[1]["global_step"] == 12

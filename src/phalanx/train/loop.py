@@ -140,7 +140,7 @@ class Loop:
             return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics),
                           self.clipping)
         self.state = self._start(loader, rates)
-        ray = ray_session.RaySession(self._checkpoint_folder()) if ray_session.active() else None
+        ray = ray_session.RaySession.under_ray(self._checkpoint_folder())
         try:
             self._train_with(val_loader, ray)
         finally:
