@@ -10,6 +10,7 @@ CPU whatever the host has; ``--device cuda`` insists on GPUs.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from typing import TYPE_CHECKING
 
@@ -19,14 +20,15 @@ from phalanx.errors import ConfigurationError
 if TYPE_CHECKING:  # imported where used: the launcher checks a job's devices before it loads PyTorch
     import torch
 
-GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm builds of torch.cuda)
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA's driver, AMD's (ROCm), WSL2's
 
 
 def visible_gpus() -> int:
     """The GPUs this process can train on with NCCL (0 without CUDA or NCCL); PyTorch is not even
     imported where no GPU can be (no driver on this Linux host, or ``CUDA_VISIBLE_DEVICES`` empty)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or (
-            sys.platform.startswith("linux") and not any(os.path.exists(path) for path in GPU_DRIVER_FILES)):
+            sys.platform.startswith("linux") and not any(os.path.exists(path) for path in GPU_DRIVER_FILES)
+            and shutil.which("nvidia-smi") is None):
         return 0
     import torch
     import torch.distributed as dist
