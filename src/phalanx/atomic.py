@@ -39,8 +39,8 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], A
     """Call ``write(handle)`` to fill ``path``: never a truncated file under that name; return the path.
 
     The data goes to a new owner-only (0600) temporary file in the same folder
-    (``.<name>.<random>.tmp``, locked while it is written), is flushed to disk, and is renamed over ``path``; the folder is then flushed
-    too, so the rename itself survives a power loss. The temporary file is removed when anything
+    (``.<name>.<random>.tmp``, locked while it is written), is flushed to disk, and is renamed over
+    ``path``; the folder is then flushed too, so the rename itself survives a power loss. The temporary file is removed when anything
     fails. ``kind`` is a glob of the target names whose stale temporary files this write removes
     first (default: ``path``'s own name), e.g. ``"checkpoint-*.pt"`` for every step's checkpoint.
     """

@@ -82,6 +82,16 @@ def from_environment(environ: dict[str, str] | os._Environ[str] = os.environ) ->
     return None
 
 
+def required(who: str, launch: str) -> JobSecret:
+    """The job's secret for ``who`` (e.g. "an elastic worker"), which only exists under ``phalanx
+    run``; without one, a :class:`ConfigurationError` saying to ``launch`` that way."""
+    secret = from_environment()
+    if secret is None:
+        raise ConfigurationError(f"{who} needs the job's secret in {SECRET_ENV}, which phalanx run gives the "
+                                 f"processes it starts: {launch}.")
+    return secret
+
+
 def read_file(path: Path) -> JobSecret:
     """The secret in ``path``, which must be a regular file only its owner can read or write."""
     try:

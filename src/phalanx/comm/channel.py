@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from phalanx.comm import auth
 from phalanx.comm.sealed_store import sealing
-from phalanx.errors import CollectiveTimeoutError, ConfigurationError
+from phalanx.errors import CollectiveTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +103,7 @@ def connect(store: Any, server: int, worker: int, timeout_s: float) -> Channel:
 
 
 def _secret() -> auth.JobSecret:
-    secret = auth.from_environment()
-    if secret is None:
-        raise ConfigurationError(f"parameter servers and their workers need the job's secret in {auth.SECRET_ENV}, "
-                                 "which phalanx run gives the processes it starts: launch with phalanx run --servers.")
-    return secret
+    return auth.required("a parameter server or its worker", "launch with phalanx run --servers")
 
 
 def own_connection(store: Any) -> Any:

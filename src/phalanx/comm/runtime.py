@@ -384,10 +384,7 @@ def _init_elastic(info: LaunchInfo, member: int, timeout_s: float, backend: str,
                   transport: str = "auto") -> Communicator:
     """Join generation 0, or, when the job already runs, wait as a world of one for admission."""
     global _elastic
-    secret = auth.from_environment()
-    if secret is None:
-        raise ConfigurationError(f"an elastic worker needs its job's secret in {auth.SECRET_ENV}, which phalanx run "
-                                 "gives the workers it starts: start elastic jobs with phalanx run.")
+    secret = auth.required("an elastic worker", "start elastic jobs with phalanx run")
     store = formation.connect_store(info, timeout_s)
     _elastic = ElasticClient(store, member, secret)
     return _next_generation("start", -1, info, timeout_s, backend, device, store, transport)

@@ -401,7 +401,6 @@ def _broadcast_tree(tree: Any, root: int) -> Any:
     return tree if is_root else _unflatten(skeleton, tensors)
 
 
-
 def _broadcast_structure(structure: Any, root: int) -> Any:
     """``root``'s ``structure`` (containers, numbers, strings, dtypes, slots) on every rank; one that
     ``torch.load(weights_only=True)`` would refuse raises :class:`ConfigurationError` on every rank."""
