@@ -293,9 +293,11 @@ class Supervisor:
         listener = bind_store(config.master_addr, config.master_port) if config.hosts_store else None
         port = listener.getsockname()[1] if listener is not None else config.master_port
         if listener is not None:
-            self._listener = listener  # a one-node job's store is served once its workers import PyTorch
-            if config.max_nodes > 1 or config.elastic:
-                self._serve_store()  # other launchers and the coordinator need it before any worker starts
+            # Served before any worker starts. Serving it after (so that the workers' imports overlap
+            # the launcher's) left the launcher's first look at its workers late enough to misjudge
+            # which failed first (a flaky test_launcher case): not done until that is settled.
+            self._listener = listener
+            self._serve_store()
         elif config.max_nodes > 1 or config.elastic:
             self.store = connect_store(config.master_addr, config.master_port, config.timeout_s)
             job_secret.prove(self.store, self.secret, config.node_rank, config.elastic)
