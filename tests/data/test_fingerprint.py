@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import numpy as np
@@ -94,3 +95,39 @@ def test_the_same_data_passes_and_the_opt_out_skips_the_check(kind: str) -> None
     assert all(seconds < 1.0 for seconds, _ in same)
     rank_local = run_workers(_iterate, 2, kind, True, False)
     assert len(rank_local) == 2
+
+
+def _advice_followed(path: str) -> dict:
+    """Rank-local data through ``path``; the mismatch message's advice, then the same call with it followed."""
+    import phalanx as px
+    import phalanx.data
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(100 + px.rank())
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    data = DataLoader(TensorDataset(x, y), batch_size=16) if path.endswith("dataloader") else (x, y)
+
+    def run(train_data: object) -> None:
+        if path.startswith("fit"):
+            model = torch.nn.Linear(4, 3)
+            px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy, train_data,
+                   epochs=1, global_batch_size=16, verbose=0)
+        else:
+            list(train_data)
+
+    try:
+        run(phalanx.data.from_dataloader(data, 16) if path == "from_dataloader" else
+            DistributedLoader(data, 16) if path == "loader" else data)
+    except px.DataMismatchError as error:
+        advice = str(error).split("If each rank's data is its own by design, ")[1]
+    called = re.search(r"\b(DistributedLoader|from_dataloader)\(", advice)
+    if called is None or "check_same_data=False" not in advice:
+        return {"advice": advice, "followed": False}
+    run(getattr(phalanx.data, called.group(1))(data, 16, check_same_data=False))
+    return {"advice": advice, "followed": True}
+
+
+@pytest.mark.parametrize("path", ["loader", "from_dataloader", "fit tensors", "fit dataloader"])
+def test_the_advice_to_skip_the_check_works_in_the_call_the_user_ran(path: str) -> None:
+    for result in run_workers(_advice_followed, 2, path):
+        assert result["followed"], result["advice"]

@@ -62,18 +62,19 @@ def record_of(samples: int | None, seed: int, global_batch_size: int, shuffle: b
             int(drop_last), int(content)]
 
 
-def check_same_data(record: list[int]) -> None:
-    """Allgather ``record`` (one collective) and raise on every rank if any rank's differs."""
+def check_same_data(record: list[int], opt_out_hint: str) -> None:
+    """Allgather ``record`` (one collective) and raise on every rank if any rank's differs; the message ends
+    with ``opt_out_hint``, how to skip the check in the call that built the loader."""
     from phalanx.comm.collectives import allgather
 
     faults.point("loader.check")
 
     rows = allgather(torch.tensor(record, dtype=torch.int64), check=False).view(-1, len(FIELDS)).tolist()
     if any(row != rows[0] for row in rows):
-        raise DataMismatchError(_mismatch_message(rows))
+        raise DataMismatchError(_mismatch_message(rows, opt_out_hint))
 
 
-def _mismatch_message(rows: list[list[int]]) -> str:
+def _mismatch_message(rows: list[list[int]], opt_out_hint: str) -> str:
     differing = [field for k, field in enumerate(FIELDS) if len({row[k] for row in rows}) > 1]
     others = [rank for rank, row in enumerate(rows) if row != rows[0]]
     described = "; ".join(f"rank {rank}: " + ", ".join(_describe(field, rows[rank][FIELDS.index(field)])
@@ -84,7 +85,7 @@ def _mismatch_message(rows: list[list[int]]) -> str:
         f"Ranks {others} differ from rank 0. Every rank must load the same dataset with the same loader "
         "settings, because each global batch is split over the ranks: build random data from a seeded "
         "generator (torch.Generator().manual_seed(0)), read the same files, and pass the same seed and batch "
-        "settings everywhere. If each rank's data is its own by design, pass check_same_data=False."
+        f"settings everywhere. If each rank's data is its own by design, {opt_out_hint}."
     )
 
 

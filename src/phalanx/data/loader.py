@@ -77,6 +77,8 @@ class DistributedLoader:
     the dataset's length, the loader's settings and a digest of a few samples chosen by a fixed seed
     (one small allgather, once), and raise :class:`~phalanx.errors.DataMismatchError` on every
     rank if they differ. ``check_same_data=False`` skips it, for data that is rank-local by design.
+    The error's last sentence says how to skip it: ``opt_out_hint`` (an attribute too), which whoever
+    builds the loader for the user sets to a fix in the call the user made, e.g. ``px.fit``'s arguments.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class DistributedLoader:
         shuffle_buffer: int | None = None,
         micro_batch_size: int | None = None,
         check_same_data: bool = True,
+        opt_out_hint: str = "pass check_same_data=False to DistributedLoader(...)",
         pin_memory: bool = False,
         persistent_workers: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
@@ -126,6 +129,7 @@ class DistributedLoader:
         self._active: weakref.ref | None = None
         self._plan: tuple[int, list[torch.Tensor]] | None = None  # batch_at's epoch plan
         self._compares_data = bool(check_same_data)
+        self.opt_out_hint = opt_out_hint
         self._data_check_pending = self._compares_data and _shards_the_job(self.rank, self.world_size)
 
     # ----------------------------------------------------------------- sizes and position
@@ -138,6 +142,11 @@ class DistributedLoader:
     def __len__(self) -> int:
         """Steps in a full epoch: identical on every rank."""
         return num_steps(self._num_samples(), self.global_batch_size, self.drop_last)
+
+    @property
+    def num_samples(self) -> int | None:
+        """The samples in an epoch, or ``None`` for a stream of unknown length."""
+        return self._known_num_samples()
 
     @property
     def steps_remaining(self) -> int:
@@ -264,7 +273,7 @@ class DistributedLoader:
         self._data_check_pending = False
         content = first.digest if self._data is None else sample_digest(self._data)
         check_same_data(record_of(self._known_num_samples(), self.seed, self.global_batch_size, self.shuffle,
-                                  self.drop_last, content))
+                                  self.drop_last, content), self.opt_out_hint)
 
     def _record(self, step: _Step) -> None:
         """Advance the position past ``step`` and expose its sizes."""
