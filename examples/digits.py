@@ -59,8 +59,8 @@ history = px.fit(
 )
 
 if px.is_master():
-    print(f"validation accuracy after {args.epochs} epochs on {px.size()} workers: "
+    print(f"validation accuracy after {len(history.epochs)} epochs on {px.size()} workers: "  # fewer if pruned
           f"{history['val_accuracy'][-1]:.2%}")
     if args.checkpoint_dir:
-        print(f"checkpoints in {args.checkpoint_dir}/: run again to resume (or to be told training is complete), "
-              f"rm -r {args.checkpoint_dir} to start afresh")
+        print(f"checkpoints in {args.checkpoint_dir}/: run again to resume (or to be told training is complete, "
+              f"or with --epochs N to train longer), rm -r {args.checkpoint_dir} to start afresh")

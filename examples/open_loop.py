@@ -29,7 +29,8 @@ head = torch.nn.Linear(256, 10)
 model = torch.nn.Sequential(body, head)
 body_optimizer = torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9)
 head_optimizer = torch.optim.Adam(head.parameters(), lr=2e-3)
-schedule = torch.optim.lr_scheduler.OneCycleLR(body_optimizer, max_lr=0.2, total_steps=EPOCHS * len(train))
+steps = px.estimated_stepping_batches(train, epochs=EPOCHS, global_batch_size=GLOBAL_BATCH)  # not len(train)
+schedule = torch.optim.lr_scheduler.OneCycleLR(body_optimizer, max_lr=0.2, total_steps=steps)
 
 
 def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

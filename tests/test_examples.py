@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -34,11 +35,42 @@ def test_the_open_loop_example_reaches_its_accuracy_on_two_workers(tmp_path: Pat
     assert accuracy(done.stdout) >= 95, done.stdout
 
 
-def test_the_quickstart_learns_digits_as_a_plain_python_script(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # on 2 workers: the same figure (make demo runs 2)
+def _quickstart(folder: Path, workers: int, script: Path = EXAMPLES / "quickstart.py") -> str:
+    """The quickstart's output at 1 worker (a plain ``python``) or more (``phalanx run``), timings removed."""
+    command = [sys.executable, str(script)] if workers == 1 else \
+        [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--no-prefix", str(script)]
+    folder.mkdir()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=folder)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert accuracy(done.stdout) > 90 and (tmp_path / "runs" / "quickstart").is_dir(), done.stdout
+    return re.sub(r"  \([\d.]+s\)", "", done.stdout)
+
+
+def test_the_quickstart_prints_readmes_figures_at_one_and_two_workers_and_bitwise_when_reproducible(
+        tmp_path: Path) -> None:
+    """README's headline, checked: the same curve at 1 and 2 workers, the figures README quotes, and
+    with README's one more line (reproducible=True) the same weights to the bit."""
+    readme = (ROOT / "README.md").read_text()
+    quoted = re.search(r"both print the same curve.*?\(`(epoch 9/9[^`]*)`\)\s+and\s+`(validation accuracy: [^`]*)`",
+                       readme, re.S)
+    assert quoted, "README no longer quotes the quickstart's last epoch and accuracy"
+    alone, pair = _quickstart(tmp_path / "one", 1), _quickstart(tmp_path / "two", 2)
+    curve = [line for line in alone.splitlines() if line.startswith("epoch ")]
+    assert len(curve) == 10 and curve == [line for line in pair.splitlines() if line.startswith("epoch ")], pair
+    for figure in quoted.groups():
+        assert figure in alone and figure in pair, (figure, alone)
+    assert (tmp_path / "one" / "runs" / "quickstart").is_dir()
+
+    one_more = re.search(r"add\s+`(reproducible=True, micro_batch_size=\d+)`\s+to\s+`px.fit`", readme)
+    assert one_more, "README no longer shows the reproducible variant"
+    script = tmp_path / "reproducible.py"
+    script.write_text((EXAMPLES / "quickstart.py").read_text().replace("epochs=10,", f"epochs=10, {one_more[1]},"))
+    weights = []
+    for workers in (1, 2):
+        _quickstart(tmp_path / f"reproducible-{workers}", workers, script)
+        newest = sorted((tmp_path / f"reproducible-{workers}" / "runs" / "quickstart").glob("checkpoint-*.pt"))[-1]
+        weights.append(torch.load(newest, weights_only=True)["model"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
 
 
 def test_readme_begins_with_the_quickstart_script_verbatim() -> None:
@@ -58,6 +90,6 @@ def test_make_demo_checkpoints_and_a_second_run_resumes(tmp_path: Path) -> None:
     assert sorted(path.name for path in folder.glob("checkpoint-*.pt"))[-1] == "checkpoint-000000069.pt"
     second = subprocess.run(make, capture_output=True, text=True, timeout=120, env=env)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert f"resumed from {folder}/checkpoint-000000069.pt (epoch 3, step 69)" in second.stdout, second.stdout
-    assert "training was already complete (3 of 3 epochs)" in second.stdout
+    assert f"resumed from {folder}/checkpoint-000000069.pt (global step 69, epoch 2 done)" in second.stdout
+    assert "training was already complete (all 3 epochs, 0-2)" in second.stdout, second.stdout
     assert accuracy(second.stdout) == accuracy(first.stdout)

@@ -19,6 +19,7 @@ from phalanx.errors import (
     DataMismatchError,
     GenerationClosedError,
     NonFiniteGradientError,
+    NonFiniteLossError,
     NotInitializedError,
     PhalanxError,
     ServerFailedError,
@@ -43,7 +44,7 @@ _MODULES = {  # public module -> the names it gives px
     "phalanx.parallel.exact": ("ExactGradients",),
     "phalanx.strategies.central_storage": ("CentralStorage",),
     "phalanx.strategies.parameter_server": ("ParameterServer",),
-    "phalanx.train.fit": ("evaluate", "fit"),
+    "phalanx.train.fit": ("estimated_stepping_batches", "evaluate", "fit", "steps_per_epoch"),
     "phalanx.train.loop": ("Loop",),
     "phalanx.train.lr": ("scale_lr",),
     "phalanx.train.state": ("History",),
@@ -79,5 +80,5 @@ def diagnose(script: str, args: Sequence[str] = (), workers: int = 2, **options:
 
 __all__ = sorted({"diagnose", *_HOME, *_SUBMODULES, "AuthenticationError", "CheckpointError", "CollectiveError",
                   "CollectiveMismatchError", "CollectiveTimeoutError", "ConfigurationError", "DataMismatchError",
-                  "GenerationClosedError", "NonFiniteGradientError", "NotInitializedError", "PhalanxError",
+                  "GenerationClosedError", "NonFiniteGradientError", "NonFiniteLossError", "NotInitializedError", "PhalanxError",
                   "ServerFailedError", "WorkerFailedError"})

@@ -69,4 +69,15 @@ class CheckpointError(PhalanxError):
 
 
 class NonFiniteGradientError(PhalanxError):
-    """A rank produced a NaN or Inf gradient while ``check_finite=True``."""
+    """A gradient about to be applied holds NaN or Inf; raised on every rank of the step.
+
+    ``ranks`` lists the ranks whose loss was non-finite (empty when every loss was finite).
+    """
+
+    def __init__(self, message: str, ranks: list[int] | tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class NonFiniteLossError(NonFiniteGradientError):
+    """The loss went NaN or Inf on ``ranks``; ``px.fit`` raises it on every rank before the step."""

@@ -11,6 +11,7 @@ started at.
 
 import argparse
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -27,6 +28,10 @@ def train(config: dict) -> None:
     import phalanx as px
 
     torch.set_num_threads(1)
+    if config.get("log"):  # what px.fit says about resuming, where the test can read it
+        handler = logging.FileHandler(config["log"])
+        logging.getLogger("phalanx.train.loop").addHandler(handler)
+        logging.getLogger("phalanx.train.loop").setLevel(logging.INFO)
     px.init()
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(256, 8, generator=generator)
@@ -91,13 +96,15 @@ def main() -> None:
     ray.init(log_to_driver=False)
     files = Path(args.storage) / f"{args.name}-files"
     files.mkdir(parents=True, exist_ok=True)
-    config = {"kill_at_epoch": args.kill_at_epoch, "marker": str(files / "killed"), "trace": str(files / "trace")}
+    config = {"kill_at_epoch": args.kill_at_epoch, "marker": str(files / "killed"), "trace": str(files / "trace"),
+              "log": str(files / "log")}
     result = TorchTrainer(train, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
                           run_config=RunConfig(name=args.name, storage_path=args.storage,
                                                failure_config=FailureConfig(max_failures=1))).fit()
     traces = [json.loads(line) for line in (files / "trace").read_text().splitlines()]
     print("RESULT " + json.dumps({"metrics": result.metrics, "checkpoint": result.checkpoint.path,
-                                  "killed": (files / "killed").exists(), "traces": traces}), flush=True)
+                                  "killed": (files / "killed").exists(), "traces": traces,
+                                  "log": (files / "log").read_text().splitlines()}), flush=True)
 
 
 if __name__ == "__main__":

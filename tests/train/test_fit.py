@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,26 +168,35 @@ def test_a_resumed_run_says_what_it_resumed_and_when_nothing_was_left_to_train(
         tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="phalanx.train.loop")
 
-    def fit(*callbacks: object) -> list[str]:
+    def fit(*callbacks: object, epochs: int = EPOCHS) -> list[str]:
         capsys.readouterr()
         caplog.clear()
         model = _model()
-        px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
+        px.fit(model, _optimizer(model), F.cross_entropy, _dataset(), epochs=epochs, global_batch_size=GLOBAL_BATCH,
                checkpoint_dir=tmp_path, checkpoint_every=1, callbacks=callbacks)
         return capsys.readouterr().out.splitlines()
 
     fit(_StopAfter(7))  # mid-epoch 2: its steps 1 and 2 of 5 are done
-    resumed = f"resumed from {tmp_path / 'checkpoint-000000007.pt'} (epoch 2, step 7)"
-    assert fit()[0] == resumed
-    assert caplog.messages == [resumed]
+    resumed = f"resumed from {tmp_path / 'checkpoint-000000007.pt'} (global step 7, epoch 1 at its step 2)"
+    plan = ("train_data: 140 samples in global batches of 30 on 1 worker; 5 steps an epoch x 4 epochs "
+            "= 20 optimizer steps")
+    assert fit()[:2] == [plan, resumed]
+    assert caplog.messages == [plan, resumed]
 
     printed = fit()
     assert printed == [
-        f"resumed from {tmp_path / f'checkpoint-{STEPS:09d}.pt'} (epoch {EPOCHS}, step {STEPS})",
-        f"training was already complete ({EPOCHS} of {EPOCHS} epochs); nothing to do — delete {tmp_path} "
-        "or pass resume=False to train again",
+        plan,
+        f"resumed from {tmp_path / f'checkpoint-{STEPS:09d}.pt'} (global step {STEPS}, epoch {EPOCHS - 1} done)",
+        f"training was already complete (all {EPOCHS} epochs, 0-{EPOCHS - 1}); nothing to do. To train longer, raise "
+        f"epochs above {EPOCHS}; to train again from scratch, delete {tmp_path}",
     ], "a run resumed after the last epoch must say so and train nothing"
     assert caplog.messages == printed
+    # its advice, followed: more epochs train on from there; the folder deleted trains from scratch
+    longer = fit(epochs=EPOCHS + 1)
+    assert f"(global step {STEPS}, epoch {EPOCHS - 1} done)" in longer[1] and longer[2].startswith(f"epoch {EPOCHS}/")
+    shutil.rmtree(tmp_path)
+    again = fit()
+    assert not any("resumed" in line for line in again) and again[1].startswith(f"epoch 0/{EPOCHS - 1}"), again
 
 
 _KILLABLE_SCRIPT = textwrap.dedent('''

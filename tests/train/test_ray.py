@@ -62,6 +62,28 @@ def test_fit_reports_to_ray_and_a_killed_worker_resumes_from_rays_checkpoint_bit
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_a_finished_ray_run_says_how_to_train_again_and_that_advice_works(ray_cluster: dict[str, str],
+                                                                        tmp_path: Path) -> None:
+    """Run again under the same name, Ray hands back the last checkpoint: px.fit says training was
+    complete and advises a new RunConfig(name=...) (deleting checkpoints breaks Ray's record of the run);
+    under a new name the job trains from scratch."""
+    storage = tmp_path / "storage"
+
+    def job(name: str) -> dict:
+        ran = subprocess.run([sys.executable, str(JOB), str(storage), name], cwd=tmp_path, env=ray_cluster,
+                             capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
+        return json.loads(ran.stdout.split("RESULT ", 1)[1])
+    first = job("finished")
+    assert not any("resumed" in line for line in first["log"]), first["log"]
+    again = job("finished")
+    assert any("training was already complete" in line and "a new RunConfig(name=...)" in line
+               for line in again["log"]), again["log"]
+    fresh = job("finished-again")  # the advice, followed
+    assert not any("resumed" in line for line in fresh["log"]), fresh["log"]
+    assert [trace["started"][0] for trace in fresh["traces"]] == [[0, 0], [0, 0]]
+
+
 def test_px_fit_outside_ray_imports_no_ray() -> None:
     script = ("import sys, torch, torch.nn.functional as F, phalanx as px\n"
               "model = torch.nn.Linear(2, 2)\n"

@@ -4,7 +4,8 @@ A strategy is one small object (as Lightning's ``Strategy`` is): ``check`` refus
 trains, the options it cannot honour (naming the pair); ``setup`` turns the user's model and
 optimizer into the ones the loop trains (a ``px.DataParallel`` and an optimizer whose ``step`` does
 what the strategy needs); ``finish``/``close`` end it cleanly or after a failure. ``asynchronous``
-says whether workers run in lockstep. :class:`Replicated` (every worker holds everything, the
+says whether workers run in lockstep; ``nonfinite_agreement`` how every rank comes to the same
+decision about a non-finite step (:mod:`phalanx.train.finite`'s ``AGREEMENTS``). :class:`Replicated` (every worker holds everything, the
 default), :class:`~phalanx.strategies.central_storage.CentralStorage` and
 :class:`~phalanx.strategies.parameter_server.ParameterServer` implement it.
 """
@@ -52,6 +53,7 @@ class Strategy(Protocol):
     """Where the parameters and the optimizer state live (see the module's docstring)."""
 
     asynchronous: bool
+    nonfinite_agreement: str
 
     def check(self, options: FitOptions) -> None: ...
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]: ...
@@ -64,6 +66,7 @@ class Replicated:
     ``px.DataParallel`` during backward. The default strategy."""
 
     asynchronous = False
+    nonfinite_agreement = "gradient"  # every rank holds the same averaged gradient
 
     def check(self, options: FitOptions) -> None:
         refuse_parameter_servers_launched("px.DataParallel")

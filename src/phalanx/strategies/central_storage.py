@@ -117,6 +117,7 @@ class CentralStorage:
     """
 
     asynchronous = False
+    nonfinite_agreement = "collective"  # each rank holds its own part of the gradient
 
     def check(self, options: FitOptions) -> None:
         """Refuse what keeping the optimizer state on one rank cannot do, naming the pair."""

@@ -47,6 +47,8 @@ class ParameterServer:
         self.mode = mode
         self.max_staleness = max_staleness
         self.client: ServerClient | None = None
+        # workers hold their own gradients and do not meet to compare them: each decides alone
+        self.nonfinite_agreement = "local"
 
     @property
     def asynchronous(self) -> bool:

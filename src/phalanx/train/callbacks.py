@@ -161,7 +161,7 @@ class ProgressBar(Callback):
             return
         if not _interactive():
             return
-        self._bar = tqdm(total=state.steps_per_epoch, initial=state.step, desc=f"epoch {epoch + 1}/{state.epochs}",
+        self._bar = tqdm(total=state.steps_per_epoch, initial=state.step, desc=f"epoch {epoch}/{state.epochs - 1}",
                          unit="step", dynamic_ncols=True, leave=True)
 
     def on_step_end(self, step: int, logs: dict[str, float], state: TrainState) -> None:
@@ -177,7 +177,7 @@ class ProgressBar(Callback):
             self._bar.close()
             self._bar = None
         shown = "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
-        print(f"epoch {epoch + 1}/{state.epochs}  {shown}  ({time.perf_counter() - self._started:.1f}s)", flush=True)
+        print(f"epoch {epoch}/{state.epochs - 1}  {shown}  ({time.perf_counter() - self._started:.1f}s)", flush=True)
 
 
 def _interactive() -> bool:
@@ -200,7 +200,7 @@ class CSVLogger(Callback):
             writer = csv.DictWriter(handle, fieldnames=["epoch", *logs])
             if new:
                 writer.writeheader()
-            writer.writerow({"epoch": epoch + 1, **logs})
+            writer.writerow({"epoch": epoch, **logs})
 
 
 class TensorBoard(Callback):
@@ -227,7 +227,7 @@ class TensorBoard(Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, float], state: TrainState) -> None:
         if self._writer is not None:
             for key, value in logs.items():
-                self._writer.add_scalar(f"epoch/{key}", value, epoch + 1)
+                self._writer.add_scalar(f"epoch/{key}", value, epoch)
 
     def on_train_end(self, state: TrainState) -> None:
         if self._writer is not None:

@@ -32,6 +32,7 @@ from phalanx.comm import collectives, runtime
 from phalanx.sharding import mix_seed
 from phalanx.errors import CheckpointError
 from phalanx.train import checkpoint_io
+from phalanx.train.finite import first_nonfinite
 from phalanx.train.state import LoopPosition, TrainState
 
 FORMAT_VERSION = 1
@@ -44,12 +45,20 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
     # Workers in lockstep save every rank's generator; asynchronous ones are reseeded on resume.
     rng_states = collectives.allgather_object(torch.get_rng_state()) if state.lockstep else None
     position = LoopPosition(state).state_dict()
+    weights = state.model.state_dict()
+    nonfinite = first_nonfinite(weights)
+    if nonfinite is not None:  # every rank holds the same weights and so decides alike
+        if runtime.is_master():
+            warnings.warn(f"phalanx: not writing the checkpoint of global step {state.global_step}: '{nonfinite}' "
+                          "holds NaN or Inf (the run trains on with on_nonfinite='ignore'); the folder keeps the last "
+                          "finite checkpoints.", stacklevel=3)
+        return
     past, state.checkpointed_step = state.checkpointed_step, state.global_step  # every rank: any may become rank 0
     if not runtime.is_master():
         return
     payload = {
         "format": FORMAT_VERSION,
-        "model": state.model.state_dict(),
+        "model": weights,
         "optimizer": state.optimizer.state_dict(),
         "loader": state.loader.state_dict(),
         "exact": state.exact.state_dict() if state.exact is not None else None,
@@ -89,6 +98,7 @@ def restore(state: TrainState, directories: Sequence[str | Path], weights_only: 
     if found is None:
         return None
     path, payload = found
+    _refuse_nonfinite(path, payload["model"])
     state.checkpointed_step = payload["global_step"]
     state.model.load_state_dict(payload["model"])
     state.optimizer.load_state_dict(payload["optimizer"])
@@ -102,6 +112,17 @@ def restore(state: TrainState, directories: Sequence[str | Path], weights_only: 
         state.rates.load_state_dict(payload["lr_schedule"])
     _restore_rng(payload, state)
     return path
+
+
+def _refuse_nonfinite(path: Path, weights: dict[str, Any]) -> None:
+    """A checkpoint with NaN or Inf weights (written by a run that trained through them) is not resumed."""
+    nonfinite = first_nonfinite(weights)
+    if nonfinite is not None:
+        raise CheckpointError(
+            f"{path} holds non-finite weights ('{nonfinite}' has NaN or Inf): the run that wrote it trained through a "
+            f"non-finite loss, and resuming would train on them. Move {path.name} (and any newer checkpoint in "
+            f"{path.parent}) elsewhere to resume from the newest finite one before it, or give another "
+            "checkpoint_dir to start afresh.")
 
 
 def _newest(directories: Sequence[Path], weights_only: bool) -> tuple[Path, dict[str, Any]] | None:

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
 from phalanx.strategies.base import Strategy
+from phalanx.train import horizon
 from phalanx.train.loop import Loop, loader_for
 from phalanx.train.lr import Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, resolve
@@ -20,12 +22,13 @@ from phalanx.train.steps import StepResult, evaluate_batches, loss_of
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         loss_fn: Callable[..., torch.Tensor] | None, train_data: Any, *, epochs: int, global_batch_size: int,
         val_data: Any = None, metrics: Sequence[str | Metric] = (),
-        callbacks: Sequence[Any] = (), seed: int = 0, lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
+        callbacks: Sequence[Any] = (), seed: int | None = None, lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
         reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
         precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
         step_fn: Callable[..., StepResult] | None = None,
-        verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None) -> History:
+        verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None,
+        on_nonfinite: str = "raise") -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
     ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
@@ -65,6 +68,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     :class:`px.ParameterServer <phalanx.strategies.parameter_server.ParameterServer>` (in a server
     process ``fit`` serves, and returns the workers' history) or
     :class:`px.CentralStorage <phalanx.strategies.central_storage.CentralStorage>`; see docs/strategies.md.
+    A loss or averaged gradient that goes NaN or Inf stops the run on every rank before the step is
+    applied (``px.NonFiniteLossError``/``px.NonFiniteGradientError`` naming the step and the ranks),
+    so no checkpoint ever holds non-finite weights; ``on_nonfinite="skip"`` skips such steps on
+    every rank instead, ``"ignore"`` applies them (see :mod:`phalanx.train.finite`).
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
     """
     loop = Loop(model, optimizer, loss_fn, epochs=epochs, global_batch_size=global_batch_size, metrics=metrics,
@@ -72,7 +79,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
                 checkpoint_every=checkpoint_every, resume=resume, reproducible=reproducible,
                 micro_batch_size=micro_batch_size, accumulate_steps=accumulate_steps, precision=precision,
                 clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, step_fn=step_fn, verbose=verbose,
-                log_dir=log_dir, strategy=strategy)
+                log_dir=log_dir, strategy=strategy, on_nonfinite=on_nonfinite)
     return loop.fit(train_data, val_data)
 
 
@@ -81,4 +88,26 @@ def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, 
     """Global loss and metrics of ``model`` over ``data``, each worker evaluating its share."""
     runtime.init()
     return evaluate_batches(model, lambda batch: loss_of(model, loss_fn, batch),
-                            loader_for(data, global_batch_size, 0, shuffle=False), resolve(metrics), "")
+                            loader_for(data, global_batch_size, 0, shuffle=False, argument="data",
+                                       call="px.evaluate"), resolve(metrics), "")
+
+
+def steps_per_epoch(train_data: Any, *, global_batch_size: int) -> int:
+    """The optimizer steps ``px.fit`` takes in one epoch of ``train_data`` (joining the job first, as
+    ``px.fit`` does, since a DataLoader's ``batch_size`` may be read as one worker's share): what a
+    per-step schedule such as ``OneCycleLR(steps_per_epoch=...)`` needs, where ``len(train_loader)``
+    may count something else."""
+    runtime.init()
+    plan = horizon.plan_for(loader_for(train_data, global_batch_size, 0, shuffle=False), 1, train_data)
+    if plan.steps_per_epoch is None:
+        raise ConfigurationError("train_data is a stream of unknown length, so its steps per epoch are not known "
+                                 "before it is read: give the schedule a horizon of your own, or a dataset with "
+                                 "__len__.")
+    return plan.steps_per_epoch
+
+
+def estimated_stepping_batches(train_data: Any, *, epochs: int, global_batch_size: int) -> int:
+    """The optimizer steps of ``px.fit(..., train_data, epochs=epochs, global_batch_size=...)`` over the
+    whole run (Lightning's ``estimated_stepping_batches``): ``OneCycleLR(total_steps=...)``,
+    ``CosineAnnealingLR(T_max=...)``. The loop checks such horizons against it before training."""
+    return steps_per_epoch(train_data, global_batch_size=global_batch_size) * epochs

@@ -39,7 +39,7 @@ from phalanx.sharding import mix_seed
 from phalanx.strategies.base import FitOptions, Replicated, Strategy
 from phalanx.strategies.client import ServerOptimizer
 from phalanx.strategies.parameter_server import ParameterServer
-from phalanx.train import callbacks as cb, checkpoint, options, ray_session
+from phalanx.train import callbacks as cb, checkpoint, finite, horizon, options, ray_session
 from phalanx.train.async_loop import train_async
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
@@ -69,19 +69,20 @@ class Loop:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                  loss_fn: Callable[..., torch.Tensor] | None = None, *, epochs: int, global_batch_size: int,
-                 metrics: Sequence[str | Metric] = (), callbacks: Sequence[Any] = (), seed: int = 0,
+                 metrics: Sequence[str | Metric] = (), callbacks: Sequence[Any] = (), seed: int | None = None,
                  lr_schedule: Schedule | Scheduled | TorchScheduler | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None, resume: bool = True,
                  reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
                  precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  step_fn: Callable[..., StepResult] | None = None, verbose: int = 1,
-                 log_dir: str | Path | None = None, strategy: Strategy | None = None):
+                 log_dir: str | Path | None = None, strategy: Strategy | None = None, on_nonfinite: str = "raise"):
         self.model, self.loss_fn, self.step_fn = model, loss_fn, step_fn
         self.several_optimizers = isinstance(optimizer, (list, tuple))
         self.optimizer = OptimizerGroup(optimizer) if self.several_optimizers else optimizer
         if step_fn is not None and takes_step(step_fn):
             self.automatic_optimization = False
-        self.epochs, self.global_batch_size, self.seed = epochs, global_batch_size, seed
+        self.epochs, self.global_batch_size, self.seed = epochs, global_batch_size, 0 if seed is None else seed
+        self.data_seed = seed  # None: a DataLoader's DistributedSampler's seed orders the data, else 0
         self.metrics, self.callbacks, self.lr_schedule = resolve(metrics), list(callbacks), lr_schedule
         self.checkpoint_dir, self.checkpoint_every, self.resume = checkpoint_dir, checkpoint_every, resume
         self.reproducible, self.accumulate_steps = reproducible, accumulate_steps
@@ -90,6 +91,8 @@ class Loop:
         self.clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
         self.verbose, self.log_dir = verbose, log_dir
         self.strategy = strategy if strategy is not None else Replicated()
+        self.on_nonfinite = finite.check_policy(on_nonfinite)
+        self.plan: horizon.Plan | None = None
         self.state: TrainState | None = None
         self._manual = ManualStep(Precision(), None)
         self._check()
@@ -129,16 +132,20 @@ class Loop:
         self.strategy.check(self._fit_options(rates))
         options.check_one_meaning(self.model, train_data, self.global_batch_size, self.accumulate_steps)
         options.check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.callbacks)
-        loader = loader_for(train_data, self.global_batch_size, self.seed, shuffle=True,
-                         micro_batch_size=self.micro_batch_size)
+        loader = loader_for(train_data, self.global_batch_size, self.data_seed, shuffle=True,
+                            micro_batch_size=self.micro_batch_size, argument="train_data")
         val_loader = (None if val_data is None
-                      else loader_for(val_data, self.global_batch_size, self.seed, shuffle=False))
+                      else loader_for(val_data, self.global_batch_size, self.data_seed, shuffle=False,
+                                      argument="val_data"))
         options.check_not_empty(loader, "train_data")
         if val_loader is not None:
             options.check_not_empty(val_loader, "val_data")
+        self.plan = horizon.plan_for(loader, self.epochs, train_data)
+        horizon.check_scheduler(rates.torch_scheduler, self.plan)
         if runtime.role() == "server":
             return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics),
                           self.clipping)
+        self._report_plan()
         self.state = self._start(loader, rates)
         ray = ray_session.RaySession.under_ray(self._checkpoint_folder())
         try:
@@ -147,6 +154,21 @@ class Loop:
             if ray is not None:
                 ray.close()
         return self.state.history
+
+    @property
+    def estimated_stepping_batches(self) -> int | None:
+        """The optimizer steps :meth:`fit` takes over the whole run (as Lightning's trainer has it),
+        known once ``fit`` has read its data (``None`` before, and for a stream of unknown length);
+        before ``fit``, ``px.estimated_stepping_batches(train_data, ...)`` gives the same number."""
+        return self.plan.total_steps if self.plan is not None else None
+
+    def _report_plan(self) -> None:
+        """Rank 0 says how the run reads its data, before training (printed when ``verbose``)."""
+        assert self.plan is not None
+        if runtime.is_master():
+            logger.info(self.plan.describe())
+            if self.verbose:
+                print(self.plan.describe(), flush=True)
 
     def _check(self) -> None:
         overridden = type(self).training_step is not Loop.training_step
@@ -172,12 +194,14 @@ class Loop:
         torch.manual_seed(mix_seed(self.seed, runtime.rank()))
         self.model, self.optimizer = self.strategy.setup(self.model, self.optimizer)
         precision = Precision(self.precision, runtime.device())
-        self._manual = ManualStep(precision, self.clipping)
+        guard = finite.NonFiniteGuard(self.on_nonfinite, self.strategy.nonfinite_agreement, self.precision,
+                                      self.clipping)
+        self._manual = ManualStep(precision, self.clipping, guard)
         micro = self.micro_batch_size
         return TrainState(self.model, self.optimizer, loader, self.epochs, seed=self.seed, metrics=self.metrics,
                           exact=ExactGradients(self.model, micro, self.seed) if micro else None,
                           accumulate_steps=self.accumulate_steps, precision=precision, clipping=self.clipping,
-                          rates=rates, loss_fn=self.loss_fn, training_step=self.training_step,
+                          guard=guard, rates=rates, loss_fn=self.loss_fn, training_step=self.training_step,
                           validation_step=self.validation_step,
                           manual=None if self.automatic_optimization else self._manual)
 
@@ -235,26 +259,31 @@ def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int,
             faults.point("fit.resume")
             resumed_from = checkpoint.restore(state, folders)
             if resumed_from is not None:
-                _report_resume(state, resumed_from, verbose)
+                _report_resume(state, resumed_from, verbose, under_ray=ray is not None)
     if not state.scheduled_lrs:
         state.scheduled_lrs = [group["lr"] for group in state.optimizer.param_groups]
 
 
-def _report_resume(state: TrainState, path: Path, verbose: int) -> None:
+def _report_resume(state: TrainState, path: Path, verbose: int, under_ray: bool) -> None:
     """Rank 0 says which checkpoint the run continues from, and when it leaves nothing to train.
 
-    The epoch is the one (counted from 1) of the last step the checkpoint holds; the step is the
-    global step, as in the file's name. Logged at INFO, and printed too when ``verbose``.
+    Epochs are counted from 0, as everywhere in phalanx; the step is the global step, as in the
+    file's name. Logged at INFO, and printed too when ``verbose``. The advice for a finished run is
+    one that works where it runs: under Ray, deleting checkpoints breaks Ray's record of the run.
     """
     if not runtime.is_master():
         return
-    epoch = state.epoch + 1 if state.step else state.epoch
-    lines = [f"resumed from {path} (epoch {epoch}, step {state.global_step})"]
+    where = (f"epoch {state.epoch} at its step {state.step}" if state.step
+             else f"epoch {state.epoch - 1} done" if state.epoch else "before epoch 0")
+    lines = [f"resumed from {path} (global step {state.global_step}, {where})"]
     if state.epoch >= state.epochs:
-        done = (f"{state.epoch} of {state.epochs} epochs" if state.epoch == state.epochs
+        done = (f"all {state.epochs} epochs, 0-{state.epochs - 1}" if state.epoch == state.epochs
                 else f"{state.epoch} epochs, more than epochs={state.epochs}")
-        lines.append(f"training was already complete ({done}); nothing to do — delete {path.parent} "
-                     "or pass resume=False to train again")
+        again = ("start the Ray trainer with a new RunConfig(name=...): Ray hands this run's last checkpoint back "
+                 "at every start of the same run, and deleting checkpoints breaks its record of it" if under_ray
+                 else f"delete {path.parent}")
+        lines.append(f"training was already complete ({done}); nothing to do. To train longer, raise epochs above "
+                     f"{state.epoch}; to train again from scratch, {again}")
     for line in lines:
         logger.info(line)
         if verbose:
@@ -369,15 +398,23 @@ def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None]) -> b
     return True
 
 
-def loader_for(data: Any, global_batch_size: int, seed: int, shuffle: bool,
-            micro_batch_size: int | None = None) -> DistributedLoader:
+def loader_for(data: Any, global_batch_size: int, seed: int | None, shuffle: bool,
+               micro_batch_size: int | None = None, argument: str = "train_data",
+               call: str = "px.fit") -> DistributedLoader:
     """``data`` as a :class:`DistributedLoader` (a DataLoader keeps its settings and gets phalanx's
-    sampler); batches for a GPU are pinned, so that their copy to it runs asynchronously."""
-    if isinstance(data, torch.utils.data.DataLoader):
-        return from_dataloader(data, global_batch_size, seed=seed, micro_batch_size=micro_batch_size)
+    sampler; ``seed=None`` takes its DistributedSampler's seed, else 0); batches for a GPU are pinned,
+    so that their copy to it runs asynchronously. A data-check error's advice names ``call``'s ``argument``."""
+    dataloader = isinstance(data, torch.utils.data.DataLoader)
+    micro = "" if micro_batch_size is None else f", micro_batch_size={micro_batch_size}"
+    hint = (f"pass {argument}=px.data.{'from_dataloader' if dataloader else 'DistributedLoader'}({argument}, "
+            f"global_batch_size{micro}, check_same_data=False) to {call}")
+    if dataloader:
+        return from_dataloader(data, global_batch_size, seed=seed, micro_batch_size=micro_batch_size,
+                               opt_out_hint=hint)
     if not isinstance(data, DistributedLoader):
-        return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=seed, micro_batch_size=micro_batch_size,
-                                 pin_memory=runtime.device().type == "cuda")
+        return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=0 if seed is None else seed,
+                                 micro_batch_size=micro_batch_size, pin_memory=runtime.device().type == "cuda",
+                                 opt_out_hint=hint)
     if micro_batch_size is not None and data.granularity != micro_batch_size:
         raise ConfigurationError(
             f"reproducible mode with micro_batch_size={micro_batch_size} needs a DistributedLoader built with "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from phalanx.parallel.clipping import Clipping
+from phalanx.train.finite import NonFiniteGuard
 from phalanx.train.lr import LearningRates
 from phalanx.train.precision import Precision
 
@@ -47,7 +48,8 @@ class History:
 
 @dataclass
 class TrainState:
-    """The loop's position and objects. ``step`` counts completed steps in the current epoch."""
+    """The loop's position and objects. ``epoch`` is counted from 0; ``step`` counts completed steps
+    in the current epoch, ``global_step`` since the run began (docs/training.md lists every field)."""
 
     model: Any
     optimizer: torch.optim.Optimizer
@@ -65,6 +67,7 @@ class TrainState:
     accumulate_steps: int = 1  # forward and backward passes per step, each over a chunk of the local batch
     precision: Precision = field(default_factory=Precision)  # autocast, the float16 scaler, the step
     clipping: Clipping | None = None  # of the reduced gradients, before the step
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)  # stops or skips a non-finite step
     loss_fn: Any = None  # loss_fn(outputs, targets), or None when the training step computes the loss
     training_step: Any = None  # batch -> loss | (loss, outputs): the loop's (phalanx.train.steps.BatchStep)
     validation_step: Any = None  # the same, in validation
@@ -78,6 +81,14 @@ class TrainState:
     @property
     def steps_per_epoch(self) -> int:
         return len(self.loader)
+
+    @property
+    def total_steps(self) -> int | None:
+        """Optimizer steps over the whole run; ``None`` for a stream of unknown length."""
+        try:
+            return self.epochs * self.steps_per_epoch
+        except TypeError:
+            return None
 
     @property
     def fractional_epoch(self) -> float:

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from phalanx.comm import runtime
-from phalanx.errors import ConfigurationError
+from phalanx.errors import ConfigurationError, NonFiniteGradientError
 from phalanx.parallel.clipping import Clipping
+from phalanx.train.finite import NonFiniteGuard
 from phalanx.train.metrics import Metric, reduce_metrics
 from phalanx.train.precision import Precision
 from phalanx.train.state import TrainState
@@ -29,43 +30,72 @@ StepResult = Union[torch.Tensor, tuple[torch.Tensor, Any]]
 BatchStep = Callable[[Any], StepResult]
 
 
-def train_step(state: TrainState, batch: Any) -> None:
-    """One optimizer step on this worker's ``batch``; the state's metrics count its samples.
+def train_step(state: TrainState, batch: Any) -> bool:
+    """One optimizer step on this worker's ``batch``; the state's metrics count its samples. Whether
+    the step was applied (``False``: every rank skipped it, under ``on_nonfinite="skip"``).
 
     The loss of a batch (or chunk) is ``state.training_step(batch)``; phalanx runs it under the
     precision's autocast, accumulates chunks, reduces, clips and steps around it (unless the step
-    drives its own optimization: ``state.manual``).
+    drives its own optimization: ``state.manual``). A non-finite loss or reduced gradient stops the
+    step on every rank before it is applied (:mod:`phalanx.train.finite`).
     """
     state.optimizer.zero_grad(set_to_none=True)
+    guard = state.guard
+    guard.begin_step(position(state))
     batch = to_device(batch)
     if state.manual is not None:
         _own_step(state, batch)
-        return
+        return not guard.skipped
+    counts: list[tuple[Any, Any, torch.Tensor, int]] = []
     if state.exact is not None:
         inputs, targets = split_batch(batch)
-        for outputs, micro_targets, loss in state.exact.backward(state.loss_fn, inputs, targets,
-                                                                 state.loader.last_global_batch_size):
-            _count(state.metrics, outputs, micro_targets, loss, len(micro_targets))
+        try:
+            results = state.exact.backward(guard.watching(state.loss_fn), inputs, targets,
+                                           state.loader.last_global_batch_size)
+        except NonFiniteGradientError as error:  # raised on every rank by the exact sum
+            guard.fail(cause=error)
+            return False
+        counts = [(outputs, micro_targets, loss, len(micro_targets)) for outputs, micro_targets, loss in results]
     elif samples_in(batch) == 0:
         state.model.reduce_without_data()
     else:
-        _backward_in_chunks(state, batch)
-    state.precision.step(state.optimizer, state.clipping)
+        counts = _backward_in_chunks(state, batch)
+    if not guard.allows_step(_parameters(state.optimizer)):
+        state.optimizer.zero_grad(set_to_none=True)
+        return False
+    for outputs, targets, loss, samples in counts:
+        _count(state.metrics, outputs, targets, loss, samples)
+    if not state.precision.step(state.optimizer, state.clipping):
+        guard.after_overflow(state.precision.scaler.get_scale())
+    return True
 
 
-def _backward_in_chunks(state: TrainState, batch: Any) -> None:
+def position(state: TrainState) -> str:
+    """Where the loop is, as messages say it: ``global step 17 (epoch 1, its step 5; counted from 0)``."""
+    return f"global step {state.global_step} (epoch {state.epoch}, its step {state.step}; counted from 0)"
+
+
+def _parameters(optimizer: Any) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _backward_in_chunks(state: TrainState, batch: Any) -> list[tuple[Any, Any, torch.Tensor, int]]:
     """Forward and backward the batch's samples in ``state.accumulate_steps`` chunks, reducing over
-    ranks only in the last: the gradient of the whole batch's mean loss, with one chunk's memory."""
+    ranks only in the last: the gradient of the whole batch's mean loss, with one chunk's memory.
+    Each chunk's ``(outputs, targets, loss, samples)``, for the metrics once the step is taken."""
     samples = samples_in(batch)
     chunks = min(state.accumulate_steps, samples)
     parts = split_samples(batch, chunks, state.accumulate_steps) if chunks > 1 else [batch]
+    counts = []
     for index, part in enumerate(parts):
         share = samples_in(part) / samples
         with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
             with state.precision.autocast():
                 loss, outputs, targets = checked(state.training_step(part), part, state.metrics)
-            state.precision.backward(loss * share if share != 1 else loss)
-        _count(state.metrics, outputs, targets, loss, samples_in(part))
+            watched = state.guard.for_backward(loss)
+            state.precision.backward(watched * share if share != 1 else watched)
+        counts.append((outputs, targets, loss, samples_in(part)))
+    return counts
 
 
 class ManualStep:
@@ -74,18 +104,24 @@ class ManualStep:
     :meth:`~phalanx.train.loop.Loop.backward`/``optimizer_step`` use the loop's. ``backward(loss)``
     runs backward (scaled under float16, outside autocast), and the gradient engine averages the
     gradients over workers as in any step; ``step(optimizer)`` clips that optimizer's gradients and
-    steps it, skipping a float16 overflow on every rank alike. In validation both do nothing."""
+    steps it, skipping a float16 overflow on every rank alike, and stops at a non-finite loss or
+    gradient as any step does (:mod:`phalanx.train.finite`). In validation both do nothing."""
 
-    def __init__(self, precision: Precision, clipping: Clipping | None):
+    def __init__(self, precision: Precision, clipping: Clipping | None, guard: NonFiniteGuard | None = None):
         self.precision, self.clipping, self.training = precision, clipping, True
+        self.guard = guard if guard is not None else NonFiniteGuard("ignore")
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.training:
-            self.precision.backward_outside_autocast(loss)
+            self.precision.backward_outside_autocast(self.guard.for_backward(loss))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.training:
+        if not self.training:
+            return
+        if self.guard.allows_step(_parameters(optimizer)):
             self.precision.apply(optimizer, self.clipping)
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     @contextlib.contextmanager
     def validating(self) -> Iterator[None]:
@@ -102,7 +138,10 @@ def _own_step(state: TrainState, batch: Any) -> None:
     with state.precision.autocast():
         loss, outputs, targets = checked(state.training_step(batch), batch, state.metrics)
     state.precision.update()
-    _count(state.metrics, outputs, targets, loss, samples_in(batch))
+    if state.precision.scaler is not None:
+        state.guard.after_overflow(state.precision.scaler.get_scale())
+    if not state.guard.skipped:
+        _count(state.metrics, outputs, targets, loss, samples_in(batch))
 
 
 @torch.no_grad()

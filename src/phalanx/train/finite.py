@@ -1,0 +1,168 @@
+"""A non-finite loss or gradient never trains silently: every rank stops (or skips) at the same step.
+
+Before each backward the loop hands the loss to :meth:`NonFiniteGuard.for_backward`, which notes
+on this rank whether it is finite and, if not, multiplies it by NaN instead of 1 (bitwise the same
+loss otherwise), so that the gradient is non-finite too even where the loss was only a constant
+offset. After the reduction every rank looks at the gradient it is about to apply: where every
+rank holds the same averaged gradient (:class:`~phalanx.strategies.base.Replicated`, reproducible
+mode) a NaN on any rank reaches every rank's, so all decide alike without a message; elsewhere
+the ranks agree by one allreduce of two flags. Only when a step went wrong do the ranks gather who
+saw a non-finite loss, to say so in one message that every rank raises.
+
+``on_nonfinite`` chooses what happens then: ``"raise"`` (default) stops with
+:class:`~phalanx.errors.NonFiniteLossError` or :class:`~phalanx.errors.NonFiniteGradientError`
+before the step is applied, so the weights and checkpoints stay finite; ``"skip"`` drops the step
+on every rank (its samples do not count in the metrics), as the float16 scaler drops an overflow;
+``"ignore"`` applies it, as phalanx did before.
+
+Under ``precision="16-mixed"`` the float16 scaler keeps skipping non-finite steps as it always did
+(every rank alike, the scale halved each time): an overflow is normal there. The guard steps in
+only when skipping cannot help any more, once the scale has fallen below 1 (16 overflows in a row
+from the default 65536, which no healthy run sees): then it raises as above.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Iterable
+
+import torch
+
+from phalanx.comm import collectives, runtime
+from phalanx.errors import ConfigurationError, NonFiniteGradientError, NonFiniteLossError
+from phalanx.parallel.clipping import Clipping
+
+POLICIES = ("raise", "skip", "ignore")
+#: How ranks come to the same decision: "gradient" (every rank holds the same reduced gradient),
+#: "collective" (different gradients, one allreduce of flags), "local" (workers that never meet).
+AGREEMENTS = ("gradient", "collective", "local")
+
+logger = logging.getLogger(__name__)
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ConfigurationError(f"on_nonfinite must be one of {list(POLICIES)}, got {policy!r}.")
+    return policy
+
+
+class NonFiniteGuard:
+    """Decides, the same way on every rank, whether a step's losses and gradient let it be applied."""
+
+    def __init__(self, policy: str = "raise", agreement: str = "gradient", precision: str = "32",
+                 clipping: Clipping | None = None):
+        self.policy, self.agreement = check_policy(policy), agreement
+        self.precision, self.clipping = precision, clipping
+        self.skipped_steps = 0  # steps skipped under "skip", over the run
+        self.skipped = False  # whether the current step was skipped
+        self.position = "a step"  # where the loop is, for messages
+        self._bad_loss: torch.Tensor | None = None  # on this rank's device: any non-finite loss this step
+
+    def begin_step(self, position: str) -> None:
+        self.position, self.skipped, self._bad_loss = position, False, None
+
+    def watching(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` whose every loss passes through :meth:`for_backward` (for reproducible mode's micro-batches)."""
+        return lambda *args: self.for_backward(loss_fn(*args))
+
+    def for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` to run backward on: itself (times exactly 1), or times NaN where it is not finite."""
+        if self.policy == "ignore":
+            return loss
+        bad = ~torch.isfinite(loss.detach())
+        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
+        return loss * torch.where(bad, math.nan, 1.0).to(loss.dtype)
+
+    def allows_step(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether the step on ``params``' reduced gradients may be applied; raises under ``"raise"``
+        on every rank alike."""
+        if self.policy == "ignore":
+            return True
+        if self.precision == "16-mixed":
+            return True  # the scaler skips it, on every rank alike; see :meth:`after_overflow`
+        bad_loss, bad_gradient = self._local_flags(params)
+        if self.agreement == "collective":
+            flags = collectives.allreduce(torch.tensor([float(bad_loss), float(bad_gradient)]), "max", check=False)
+            bad_loss, bad_gradient = bool(flags[0] > 0), bool(flags[1] > 0)
+        if not (bad_loss or bad_gradient):
+            return True
+        self.fail()
+        return False
+
+    def after_overflow(self, scale: float) -> None:
+        """The float16 scaler skipped this step (on every rank) and its scale is now ``scale``: when it
+        has fallen below 1, skipping no longer helps, and the run stops under ``"raise"``."""
+        if self.policy == "raise" and scale < 1.0:
+            self.fail(context=f"; the float16 scaler skipped step after step until its scale fell to {scale:g}")
+
+    def fail(self, cause: BaseException | None = None, context: str = "") -> None:
+        """The step went non-finite on some rank: raise (``"raise"``) or note the skip, the same on every rank."""
+        ranks = self._ranks_with_bad_loss()
+        where = self.position
+        if self.policy == "skip":
+            if not self.skipped:
+                self.skipped, self.skipped_steps = True, self.skipped_steps + 1
+                logger.log(logging.WARNING if runtime.is_master() else logging.INFO,
+                           "phalanx: skipped %s on every rank (on_nonfinite='skip'): %s", where, _what(ranks))
+            return
+        error = NonFiniteLossError if ranks else NonFiniteGradientError
+        raise error(f"{_what(ranks)} at {where}{context}; every rank stops here, before the step is applied, so the weights "
+                    f"(and every checkpoint) are the last finite ones. {self._advice(ranks)}",
+                    ranks=ranks) from cause
+
+    def _local_flags(self, params: Iterable[torch.Tensor]) -> tuple[bool, bool]:
+        """(this rank saw a non-finite loss, the gradient it holds is not finite), with one device sync."""
+        grads = [_values(p.grad.detach()) for p in params if p.grad is not None and p.grad.numel()]
+        if grads:  # the largest magnitude of each tensor: NaN or Inf exactly where it holds one
+            bad_gradient = torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not()
+        else:
+            bad_gradient = torch.zeros((), dtype=torch.bool)
+        bad_loss = (self._bad_loss.reshape(()).to(bad_gradient.device) if self._bad_loss is not None
+                    else torch.zeros((), dtype=torch.bool, device=bad_gradient.device))
+        loss_flag, gradient_flag = torch.stack([bad_loss, bad_gradient]).tolist()
+        return bool(loss_flag), bool(gradient_flag)
+
+    def _ranks_with_bad_loss(self) -> list[int]:
+        """The ranks that saw a non-finite loss this step (a collective, except for workers that never meet)."""
+        mine = float(bool(self._bad_loss)) if self._bad_loss is not None else 0.0
+        if self.agreement == "local" or runtime.size() == 1:
+            return [runtime.rank()] if mine else []
+        flags = collectives.allgather(torch.tensor([mine]), check=False)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+    def _advice(self, ranks: list[int]) -> str:
+        """What to try, fitting this run's settings."""
+        tips = []
+        if self.precision == "16-mixed":
+            tips.append("float16 overflows above 65504: precision='bf16-mixed' has float32's range")
+        if self.clipping is None or self.clipping.max_norm is None:
+            tips.append("clip the gradients (clip_grad_norm=1.0)" if not ranks else
+                        "lower the learning rate or clip the gradients (clip_grad_norm=1.0) if the loss grew first")
+        else:
+            tips.append(f"gradients are already clipped (clip_grad_norm={self.clipping.max_norm:g}): lower the "
+                        "learning rate")
+        if ranks:
+            tips.append(f"look for NaN or Inf in the inputs or targets of rank {ranks[0]}'s batch")
+        tips.append("on_nonfinite='skip' skips such steps on every rank, on_nonfinite='ignore' trains on as before")
+        return "What to do: " + "; ".join(tips) + "."
+
+
+def _what(ranks: list[int]) -> str:
+    if not ranks:
+        return "the averaged gradient went non-finite (NaN or Inf) though every rank's loss was finite"
+    named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"the loss went non-finite (NaN or Inf) on {named}"
+
+
+def _values(gradient: torch.Tensor) -> torch.Tensor:
+    """The stored entries of a gradient (a sparse one's values)."""
+    return gradient.coalesce().values() if gradient.is_sparse else gradient
+
+
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor of ``tensors`` that holds NaN or Inf, or ``None``."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
