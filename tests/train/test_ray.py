@@ -60,28 +60,15 @@ def test_fit_reports_to_ray_and_a_killed_worker_resumes_from_rays_checkpoint_bit
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
-
-
-def test_a_finished_ray_run_says_how_to_train_again_and_that_advice_works(ray_cluster: dict[str, str],
-                                                                        tmp_path: Path) -> None:
-    """Run again under the same name, Ray hands back the last checkpoint: px.fit says training was
-    complete and advises a new RunConfig(name=...) (deleting checkpoints breaks Ray's record of the run);
-    under a new name the job trains from scratch."""
-    storage = tmp_path / "storage"
-
-    def job(name: str) -> dict:
-        ran = subprocess.run([sys.executable, str(JOB), str(storage), name], cwd=tmp_path, env=ray_cluster,
-                             capture_output=True, text=True, timeout=300)
-        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-5000:]
-        return json.loads(ran.stdout.split("RESULT ", 1)[1])
-    first = job("finished")
-    assert not any("resumed" in line for line in first["log"]), first["log"]
-    again = job("finished")
-    assert any("training was already complete" in line and "a new RunConfig(name=...)" in line
-               for line in again["log"]), again["log"]
-    fresh = job("finished-again")  # the advice, followed
-    assert not any("resumed" in line for line in fresh["log"]), fresh["log"]
-    assert [trace["started"][0] for trace in fresh["traces"]] == [[0, 0], [0, 0]]
+    # Run again under the same name, Ray hands the last checkpoint back: px.fit says training was complete
+    # and advises what works under Ray, a new RunConfig(name=...) (a new name starts from scratch, as the
+    # first attempt above did); deleting checkpoints, the advice elsewhere, breaks Ray's record of the run.
+    again = subprocess.run([sys.executable, str(JOB), str(storage), "killed"], cwd=tmp_path, env=ray_cluster,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    log = json.loads(again.stdout.split("RESULT ", 1)[1])["log"]
+    complete = [line for line in log if "training was already complete" in line]
+    assert complete and "a new RunConfig(name=...)" in complete[-1] and "delete" not in complete[-1], log
 
 
 def test_px_fit_outside_ray_imports_no_ray() -> None:
