@@ -2,6 +2,9 @@
 
     python benchmarks/bench_precision.py [--model mlp|cnn|transformer] [--reps 7] [--steps 15]
     phalanx run -n 2 benchmarks/bench_precision.py ...
+    python benchmarks/bench_precision.py --variants 32,on_nonfinite=ignore 32   # what the NaN check costs
+
+A variant is a precision, optionally followed by px.fit options (``,name=value``, values as strings).
 
 Each variant is a whole px.fit (one epoch of --steps + --warmup global batches of bench_ddp.py's
 model, SGD), timed per step by a callback; the variants alternate, each repetition running all
@@ -55,12 +58,14 @@ class StepTimes(px.callbacks.Callback):
             self.times.append(time.perf_counter() - self._started)
 
 
-def run(precision: str) -> float:
+def run(variant: str) -> float:
+    precision, *options = variant.split(",")
     torch.manual_seed(0)
     model = build_model(args.model)
     timer = StepTimes()
     px.fit(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), F.cross_entropy, (x, y), epochs=1,
-           global_batch_size=args.global_batch, precision=precision, verbose=0, callbacks=[timer])
+           global_batch_size=args.global_batch, precision=precision, verbose=0, callbacks=[timer],
+           **dict(option.split("=", 1) for option in options))
     return statistics.median(timer.times)
 
 
@@ -72,7 +77,7 @@ for rep in range(args.reps):
 if px.is_master():
     print(f"# {args.model}, global batch {args.global_batch}, {px.size()} worker(s), torch {torch.__version__}, "
           f"{args.reps} reps x {args.steps} steps")
-    print("| precision | step ms, median [quartiles] | throughput vs float32 [quartiles] |")
+    print(f"| variant | step ms, median [quartiles] | throughput vs {args.variants[0]} [quartiles] |")
     print("|---|---:|---:|")
     for variant, values in times.items():
         ratios = [base / value for base, value in zip(times[args.variants[0]], values)]

@@ -114,8 +114,8 @@ class NonFiniteGuard:
     def _local_flags(self, params: Iterable[torch.Tensor]) -> tuple[bool, bool]:
         """(this rank saw a non-finite loss, the gradient it holds is not finite), with one device sync."""
         grads = [_values(p.grad.detach()) for p in params if p.grad is not None and p.grad.numel()]
-        if grads:  # the largest magnitude of each tensor: NaN or Inf exactly where it holds one
-            bad_gradient = torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not()
+        if grads:  # each tensor's extremes: NaN or Inf exactly where it holds one
+            bad_gradient = _extremes(grads).isfinite().all().logical_not()
         else:
             bad_gradient = torch.zeros((), dtype=torch.bool)
         bad_loss = (self._bad_loss.reshape(()).to(bad_gradient.device) if self._bad_loss is not None
@@ -153,6 +153,15 @@ def _what(ranks: list[int]) -> str:
         return "the averaged gradient went non-finite (NaN or Inf) though every rank's loss was finite"
     named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     return f"the loss went non-finite (NaN or Inf) on {named}"
+
+
+def _extremes(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's extremes, in one tensor: a GPU takes the largest magnitudes in one fused
+    kernel; on a CPU that kernel is 10x slower than each tensor's min and max (1 ms against 11 for
+    3 M entries), which carry NaN and Inf just as well."""
+    if grads[0].is_cuda:
+        return torch.stack(torch._foreach_norm(grads, math.inf))
+    return torch.stack([torch.stack(torch.aminmax(grad)).to(torch.float32) for grad in grads])
 
 
 def _values(gradient: torch.Tensor) -> torch.Tensor:
