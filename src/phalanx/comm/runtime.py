@@ -206,8 +206,9 @@ def node_rank() -> int:
 
 
 def is_master() -> bool:
-    """True on rank 0, the worker that writes checkpoints and logs."""
-    return rank() == 0
+    """True on rank 0, the worker that writes checkpoints and logs; never for an elastic worker
+    that is not a member of a generation (started after the job did and not yet admitted)."""
+    return rank() == 0 and (_current is None or _current.generation >= 0)
 
 
 def worker_id() -> int:

@@ -27,7 +27,7 @@ def run(fn: Callable[..., T]) -> Callable[..., T | None]:
     loaders and calls ``fn`` again. Other exceptions propagate unchanged.
 
     Outside an elastic launch it simply calls ``fn``. A worker started after the job finished
-    returns ``None`` without calling it. When fewer than ``--min-workers`` remain, the first
+    returns ``None`` without calling it, saying so (``px.fit`` then exits the process with status 0). When fewer than ``--min-workers`` remain, the first
     survivor saves the last commit to ``state.checkpoint_path`` (if set) and every survivor raises
     :class:`px.elastic.MembershipClosed`.
     """
@@ -42,7 +42,8 @@ def run(fn: Callable[..., T]) -> Callable[..., T | None]:
             _start(state)
         except MembershipClosed as closed:
             if closed.reason == "finished":
-                print(f"phalanx elastic: {closed}", file=sys.stderr, flush=True)
+                print(f"phalanx elastic: this worker was never admitted ({closed}): it trained nothing and is "
+                      "master of nothing (px.is_master() is False).", file=sys.stderr, flush=True)
                 return None
             raise
         while True:

@@ -323,7 +323,7 @@ def _train_elastic(state: TrainState, hooks: Any, val_loader: Any, checkpoint_di
     carried = elastic.State(checkpoint_path=last, prepared=False, **objects)
     begun = False
 
-    def train(carried: elastic.State) -> None:
+    def train(carried: elastic.State) -> bool:
         nonlocal begun
         if not carried.prepared:
             prepare()
@@ -336,8 +336,12 @@ def _train_elastic(state: TrainState, hooks: Any, val_loader: Any, checkpoint_di
         # Members leave together: one lost after its peers' last commit makes them re-form, so that
         # every survivor returns in the same group (one of them rank 0) rather than in a broken one.
         collectives.barrier()
+        return True
 
-    elastic.run(train)(carried)
+    if elastic.run(train)(carried) is None:
+        # Started after the job had finished, never admitted: it trained nothing, so the script must
+        # not go on to use (or save over the job's result) an untrained model; it ends here, status 0.
+        raise SystemExit(0)
 
 
 def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callable[[], None]) -> None:
