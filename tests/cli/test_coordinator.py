@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 
 import pytest
 import torch.distributed as dist
@@ -34,8 +35,20 @@ def spawn(store, member: int, node: int = 0, local_rank: int | None = None) -> N
          label=str(member))
 
 
+def beat(store, member: int) -> None:
+    """A heartbeat as a member's watchdog states it: a count that only grows, sealed."""
+    store.set(Keys.heartbeat(member), SECRET.seal(Keys.heartbeat(member), str(time.monotonic_ns())))
+
+
+def stated(store, key: str) -> bool:
+    """Whether the coordinator stated ``key`` (sealed with the job's secret). It writes on a connection
+    of its own, whose set may reach the server after this connection's next request: wait for it."""
+    store.wait([key], datetime.timedelta(seconds=5))
+    return SECRET.open(key, store.get(key))[0] == b"1"
+
+
 def request(store, member: int, seq: int, reason: str, generation: int = -1) -> None:
-    store.add(Keys.heartbeat(member), 1)
+    beat(store, member)
     post(store, type="request", member=member, seq=seq, generation=generation, reason=reason, time=0.0)
 
 
@@ -74,7 +87,7 @@ def test_a_lost_member_breaks_the_generation_and_survivors_reform(store) -> None
     form(store, coordinator, [1, 2, 3])
     post(store, type="exit", member=2, code=137, time=123.0)
     coordinator.step()
-    assert store.add(Keys.broken(0), 0) == 1 and store.add(Keys.signal(0), 0) == 1
+    assert stated(store, Keys.broken(0)) and stated(store, Keys.signal(0))
     request(store, 3, 2, "failure", generation=0)
     coordinator.step()
     assert answer(store, 3, 2) is None  # member 1 has not asked yet
@@ -88,17 +101,15 @@ def test_a_lost_member_breaks_the_generation_and_survivors_reform(store) -> None
 def test_a_silent_member_is_declared_dead_and_killed(store) -> None:
     coordinator = make(store, heartbeat=0.3)
     form(store, coordinator, [1, 2])
-    store.add(Keys.heartbeat(1), 1)
+    beat(store, 1)
     coordinator._last_heartbeat_poll = 0.0
     coordinator.step()
-    import time
-
     time.sleep(0.5)
-    store.add(Keys.heartbeat(1), 1)
+    beat(store, 1)
     coordinator._last_heartbeat_poll = 0.0
     coordinator.step()
     assert store.check([Keys.kill(2)]) and not store.check([Keys.kill(1)])
-    assert store.add(Keys.broken(0), 0) == 1
+    assert stated(store, Keys.broken(0))
     request(store, 1, 2, "failure", generation=0)
     coordinator.step()
     assert answer(store, 1, 2)["status"] == "below-min"  # one left, two needed
@@ -115,7 +126,7 @@ def test_joiners_are_admitted_at_a_boundary_after_the_members(store) -> None:
     assert answer(store, 5, 1)["status"] == "late"
     request(store, 5, 2, "join")
     coordinator.step()
-    assert store.add(Keys.signal(0), 0) == 1 and store.add(Keys.broken(0), 0) == 0
+    assert stated(store, Keys.signal(0)) and not store.check([Keys.broken(0)])
     for member in (2, 1):
         request(store, member, 2, "planned", generation=0)
     coordinator.step()

@@ -408,3 +408,27 @@ def test_parameter_servers_get_their_role_and_a_rank_beyond_the_workers() -> Non
 def test_parameter_servers_need_a_fixed_set_of_hosts() -> None:
     with pytest.raises(ConfigurationError, match="fixed set of hosts"):
         LaunchConfig(target=__file__, nnodes=1, max_nnodes=2, master_port=1, servers_per_node=1).validate()
+
+
+def test_what_a_worker_forked_and_left_running_ends_with_it(tmp_path: Path) -> None:
+    """The launcher owns a worker's children: a script that forks a child and exits 0 does not leave
+    it running after the job (nor does the child's copy of the output pipes hold the launcher up)."""
+    write_script(tmp_path, "forks.py", """
+        import os, sys, time
+        child = os.fork()
+        if child == 0:  # the child outlives its parent, holding the worker's stdout and stderr
+            time.sleep(120)
+            os._exit(0)
+        open(f"child-{os.environ['PHALANX_RANK']}.pid", "w").write(str(child))
+        print("forked", child, flush=True)
+    """)
+    started = time.monotonic()
+    done = run_phalanx("-n", "2", "forks.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 30, "the launcher waited for the children"
+    for rank in (0, 1):
+        pid = int((tmp_path / f"child-{rank}.pid").read_text())
+        deadline = time.monotonic() + 5
+        while is_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_alive(pid), f"rank {rank}'s child {pid} outlived the job"

@@ -34,7 +34,7 @@ import time, torch, phalanx as px
 torch.set_num_threads(1)
 px.init()
 total = 0.0
-for step in range(40):
+for step in range(60):  # 9 s: long enough for the attacks of a busy machine to land meanwhile
     total += float(px.allreduce(torch.ones(1))[0])
     time.sleep(0.15)
 if px.rank() == 0:
@@ -91,11 +91,44 @@ def test_an_elastic_job_refuses_outsiders_and_finishes_with_its_own_result(tmp_p
         assert "did not accept this node: it does not hold the job's secret" in refused.stderr, refused.stderr
         assert "PHALANX_SECRET_FILE" in refused.stderr
     assert node0.returncode == 0, err
-    assert "result 2 80.0" in out, out  # 40 allreduces of ones over 2 workers: undisturbed
+    assert "result 2 120.0" in out, out  # 60 allreduces of ones over 2 workers: undisturbed
     assert err.count("refused a message on the job's inbox that does not carry the job's secret") >= 3, err
     assert err.count("refused a replayed message") == 1, err
     assert not marker.exists()
     assert secret.hex() not in out + err + no_secret.stderr + wrong_secret.stderr  # the secret is never printed
+
+
+def test_forged_heartbeats_and_bumped_generation_counters_decide_nothing(tmp_path: Path) -> None:
+    """An outsider writes junk over every member's heartbeat (a value the store cannot add to: it cut the
+    coordinator's connection, and the launcher then hung, logging forever) and bumps every generation's
+    broken and signal counters (which made members re-form, then killed healthy ones): the job is not
+    re-formed, nobody is declared dead, the result is its own, each forged key is reported once."""
+    (tmp_path / "job.py").write_text(JOB)  # no px.elastic.run: a single re-form would fail the job
+    port = free_port()
+    node0 = subprocess.Popen(phalanx_command("-n", "2", "--min-workers", "1", "--master-port", str(port),
+                                             "--timeout", "30", "job.py"),
+                             cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))
+        store.wait([Keys.heartbeat(1), Keys.heartbeat(2)])  # both workers beat: training has begun
+        for _ in range(10):
+            for member in (1, 2, 3):
+                store.set(Keys.heartbeat(member), "not-a-number")
+            for generation in range(20):
+                store.add(Keys.broken(generation), 1)
+                store.add(Keys.signal(generation), 1)
+            time.sleep(0.2)
+        started = time.monotonic()
+        out, err = node0.communicate(timeout=90)
+    finally:
+        node0.kill()
+    assert node0.returncode == 0, err
+    assert "result 2 120.0" in out, out  # 60 allreduces of ones over 2 workers, in one generation throughout
+    assert "declared dead" not in err and "re-formed" not in err + out, err
+    assert err.count("ignoring the value at phalanx/elastic/heartbeat/1") == 1, err
+    assert len(err.splitlines()) < 40 and "Broken pipe" not in err, err
+    assert time.monotonic() - started < 30, "the launcher outlived its job"
 
 
 def test_node_0_makes_a_secret_and_says_where_it_keeps_it_without_printing_it(tmp_path: Path) -> None:

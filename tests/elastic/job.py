@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-file to exist")
     parser.add_argument("--hold-file", default=None, help="a joiner creates it just before asking to join")
+    parser.add_argument("--freeze-rank", type=int, default=-1, help="this rank stops itself (SIGSTOP) just "
+                        "before its first step, after the job formed")
     args = parser.parse_args()
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
         handle.write(str(os.getpid()))
@@ -121,6 +124,8 @@ def main() -> None:
                     os.replace(args.progress + ".tmp", args.progress)
         return state.step
 
+    if px.rank() == args.freeze_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
     steps = train(state)
     if px.rank() == 0 and steps is not None:
         torch.save({"weights": model.state_dict(), "changes": changes, "steps": steps, "size": px.size(),

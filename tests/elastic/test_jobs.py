@@ -60,6 +60,24 @@ def test_a_killed_worker_leaves_the_others_training(tmp_path: Path) -> None:
     assert_matches_reference(result["weights"])
 
 
+def test_a_worker_frozen_before_its_first_step_is_replaced_as_fast_and_reported_consistently(
+        tmp_path: Path) -> None:
+    """The survivors wait in their first sync for the frozen founder until it is declared dead: the
+    report dates the failure when they noticed it (it dated it from before the wait), so 'after
+    detection' is the re-forming alone and never exceeds 'after the event' (the declaration)."""
+    timeout = 4.0
+    with launched(tmp_path, ["-n", "3", "--min-workers", "2", "--timeout", f"{timeout:g}"],
+                  ["--step-sleep", "0.02", "--freeze-rank", "1"]) as job:
+        assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
+    assert "is declared dead: no heartbeat" in job.stderr, job.output()
+    found = re.search(r"first step done ([\d.]+)s after the event, ([\d.]+)s after detection", job.stderr)
+    assert found, job.output()
+    after_event, after_detection = float(found[1]), float(found[2])
+    assert after_detection <= after_event + 0.05 and after_event < timeout, job.output()
+    assert job.result()["size"] == 2
+    assert_matches_reference(job.result()["weights"])
+
+
 def test_a_frozen_worker_is_declared_dead_and_killed(tmp_path: Path) -> None:
     timeout = 4.0  # the collective timeout; the heartbeat timeout defaults to half of it
     with launched(tmp_path, ["-n", "3", "--min-workers", "2", "--timeout", f"{timeout:g}"],

@@ -21,6 +21,7 @@ save a checkpoint, and ``Keys.STATUS`` records why for the launchers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -28,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from phalanx.comm import auth
-from phalanx.comm.membership import Keys
+from phalanx.comm.membership import Keys, Statements
 from phalanx.errors import AuthenticationError
 
 POLL_INTERVAL_S = 0.02
+RETRY_S = 0.5  # while the store fails: how often the coordinator tries again (no log line per try)
 HEARTBEAT_POLL_S = 0.2
 
 
@@ -119,6 +121,9 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.statements = Statements(store, secret, share=True)  # broken/signal flags, the members' heartbeats
+        #: why the coordinator gave up (its store failed for a heartbeat timeout on end): the launcher stops
+        self.failure: str | None = None
 
     # --- running ----------------------------------------------------------------------------
 
@@ -132,19 +137,34 @@ class Coordinator:
             self._thread.join(timeout=5.0)
 
     def _loop(self) -> None:
-        last_error = ""
-        while not self._stop.wait(POLL_INTERVAL_S):
+        failing_since: float | None = None
+        while not self._stop.wait(POLL_INTERVAL_S if failing_since is None else RETRY_S):
             try:
                 self.step()
+                failing_since = None
             except Exception as error:  # noqa: BLE001 - a coordinator that dies silently hangs the job
-                if repr(error) != last_error:  # once per distinct error, not every poll
-                    last_error = repr(error)
-                    self.log(f"phalanx run: elastic coordinator error: {error!r}")
+                now = time.monotonic()
+                if failing_since is None:  # once per failure: a new connection may be all it needs
+                    failing_since = now
+                    self.log(f"phalanx run: elastic coordinator error: {error!r}; retrying on a new connection")
+                elif now - failing_since > self.config.heartbeat_timeout_s:
+                    self.failure = (f"the elastic coordinator on node 0 could not use the store for "
+                                    f"{now - failing_since:.0f}s ({str(error).splitlines()[0][:200]})")
+                    self.log(f"phalanx run: error: {self.failure}; stopping the job.")
+                    return
+                self._reconnect()
+
+    def _reconnect(self) -> None:
+        with self._lock, contextlib.suppress(RuntimeError, OSError):
+            self.store = self.store.clone()
+            self.statements = Statements(self.store, self.secret, share=True)
 
     def busy(self) -> bool:
         """Whether a member may still need the store: one that joined and is not gone, or one still
         starting (for at most the rendezvous timeout: a lost host's workers never report)."""
         now = time.monotonic()
+        if self.failure is not None:
+            return False
         with self._lock:
             return any(not m.gone and (m.heartbeat >= 0 or (m.spawned_at is not None and
                                                             now - m.spawned_at < self.config.start_timeout))
@@ -254,8 +274,9 @@ class Coordinator:
     def _check_heartbeats(self, now: float) -> None:
         watched = [m for m in self.members.values() if m.heartbeat >= 0 and not m.gone]
         for member in watched:
-            beat = self.store.add(Keys.heartbeat(member.id), 0)
-            if beat != member.heartbeat:
+            stated = self.statements.read(Keys.heartbeat(member.id))  # forged or absent: no sign of life
+            beat = member.heartbeat if stated is None else int(stated)
+            if beat > member.heartbeat:  # a beat replayed from earlier is no sign of life either
                 member.heartbeat, member.beat_at = beat, now
             elif now - member.beat_at > self.config.heartbeat_timeout_s:
                 self._declare_dead(member, f"no heartbeat for {now - member.beat_at:.1f}s")
@@ -272,8 +293,8 @@ class Coordinator:
         """Mark the current generation broken: survivors abort their collectives and rejoin."""
         if self.generation < 0:
             return
-        self.store.add(Keys.broken(self.generation), 1)
-        self.store.add(Keys.signal(self.generation), 1)
+        self.statements.state(Keys.broken(self.generation))
+        self.statements.state(Keys.signal(self.generation))
         if self._formation is None:
             self._formation = _Formation(time.monotonic(), when, "failure")
         self._formation.reason = "failure"
@@ -293,7 +314,7 @@ class Coordinator:
         joiners = self._joiners()
         if self._formation is None:
             if joiners and len(self.current) < self.config.max_workers and not self._signalled:
-                self.store.add(Keys.signal(self.generation), 1)  # members end the generation at a step boundary
+                self.statements.state(Keys.signal(self.generation))  # members end it at a step boundary
                 self._signalled = True
             return
         waiting = [m for m in self.current if m not in self.requests and not self.members[m].gone]

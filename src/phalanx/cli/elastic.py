@@ -148,8 +148,12 @@ class ElasticSupervisor(Supervisor):
                 worker.signal_group(signum)
 
     def _refresh_job_failure(self) -> None:
-        """Read whether the coordinator stopped the job (below --min-workers)."""
+        """Read whether the coordinator stopped the job (below --min-workers), or itself failed."""
         if self.job_failure is not None:
+            return
+        if self.coordinator is not None and self.coordinator.failure is not None:
+            self.job_failure = self.coordinator.failure  # nobody forms generations any more: stop now
+            self._stop_deadline = time.monotonic()
             return
         with contextlib.suppress(RuntimeError, OSError):
             status = self._sealed(Keys.STATUS)

@@ -326,6 +326,10 @@ class Worker:
     def _wait(self, on_exit: Callable[[Worker], None]) -> None:
         assert self.process is not None
         self.process.wait()
+        # The launcher owns what a worker leaves behind: processes it forked that still run in its
+        # process group (its session) are killed with it, whatever its exit code. The group's id
+        # cannot have been reused while any of them lives; with none left, this finds nobody.
+        self.signal_group(signal.SIGKILL)
         self.exited_at = time.monotonic()
         self.exited.set()
         on_exit(self)

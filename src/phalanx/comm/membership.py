@@ -5,6 +5,11 @@ launcher of node 0 through the rendezvous store: it pushes requests onto an inbo
 for an answer key; a watchdog thread beats a heartbeat key and watches the generation's "broken"
 flag. When a generation breaks, the watchdog shuts down the group's Gloo sockets, so that a
 collective pending on it fails at once, here and on the peers, not at the timeout.
+
+Heartbeats and the generation's flags are :class:`Statements`: values sealed with the job's
+secret, never counters. Anyone who reaches the store can bump a counter or write any value, so a
+flag that an ``add`` could raise would let an outsider break generations at will, and a forged
+value read by ``add`` cuts the reader's store connection (the server fails to parse it).
 :mod:`phalanx.comm.runtime` builds process groups from the answers.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
 import sys
@@ -26,7 +32,10 @@ from phalanx.errors import AuthenticationError, CollectiveTimeoutError, WorkerFa
 
 HEARTBEAT_INTERVAL_S = 0.25
 WATCH_INTERVAL_S = 0.05
+STATEMENT_READ_TIMEOUT_S = 5.0  # a statement seen by check() but deleted before get() (an outsider's doing)
 START_TIMEOUT_S = 60.0  # generation 0 waits at least this long for workers still starting
+
+logger = logging.getLogger(__name__)
 
 
 class Keys:
@@ -51,18 +60,52 @@ class Keys:
 
     @staticmethod
     def signal(generation: int) -> str:
-        """Non-zero once generation ``generation`` should end (a failure, or joiners waiting)."""
+        """Stated once generation ``generation`` should end (a failure, or joiners waiting)."""
         return f"{Keys.PREFIX}g{generation}/signal"
 
     @staticmethod
     def broken(generation: int) -> str:
-        """Non-zero once generation ``generation`` lost a member: its collectives cannot complete."""
+        """Stated once generation ``generation`` lost a member: its collectives cannot complete."""
         return f"{Keys.PREFIX}g{generation}/broken"
 
     @staticmethod
     def boundary(generation: int) -> str:
         """The commit after which generation ``generation`` ends to admit joiners (agreed by compare_set)."""
         return f"{Keys.PREFIX}g{generation}/boundary"
+
+
+class Statements:
+    """What the job's processes tell each other through the store, sealed for its key with the job's
+    secret: a generation broken or ending, a member's heartbeat count. A value that does not open (an
+    outsider's) says nothing: :meth:`read` ignores it, with one warning per key. One per thread, on
+    a connection of its own (a store client is not shared across threads), unless ``share`` says
+    that the caller's thread owns ``store`` (then what it writes there and here stays in order)."""
+
+    def __init__(self, store: Any, secret: auth.JobSecret, share: bool = False):
+        self.store, self.secret = (store if share else store.clone()), secret
+        self.store.set_timeout(datetime.timedelta(seconds=STATEMENT_READ_TIMEOUT_S))
+        self._warned: set[str] = set()
+
+    def state(self, key: str, value: str = "1") -> None:
+        self.store.set(key, self.secret.seal(key, value))
+
+    def read(self, key: str) -> str | None:
+        """The value stated at ``key``; ``None`` when nothing, or nothing sealed with the secret, is there."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return self.secret.open(key, self.store.get(key))[0].decode()
+        except AuthenticationError:
+            if key not in self._warned:
+                self._warned.add(key)
+                logger.warning("phalanx elastic: ignoring the value at %s: it does not carry the job's secret "
+                               "(someone without it wrote there)", key)
+        except (RuntimeError, OSError):  # deleted between check and get
+            pass
+        return None
+
+    def holds(self, key: str) -> bool:
+        return self.read(key) is not None
 
 
 @dataclass(frozen=True)
@@ -112,8 +155,9 @@ class ElasticClient:
         self._forming_since: dict[str, int] | None = None
         self._aborted = -1
         self._stop = threading.Event()
-        self._watch_store = store.clone()  # a connection of its own: stores are not shared across threads
-        self._watch_store.add(Keys.heartbeat(member), 1)
+        self.statements = Statements(store, secret)  # the main thread's
+        self._watch_statements = Statements(store, secret)  # the watchdog thread's
+        self._watch_statements.state(Keys.heartbeat(member), str(time.monotonic_ns()))
         self._thread = threading.Thread(target=self._watch, name="phalanx-elastic-watchdog", daemon=True)
         self._thread.start()
 
@@ -142,6 +186,17 @@ class ElasticClient:
                 "is still running."
             ) from error
 
+    def mark_broken(self, generation: int) -> None:
+        """State that ``generation`` lost a member and should end (its peers' watchdogs abort it)."""
+        self.statements.state(Keys.broken(generation))
+        self.statements.state(Keys.signal(generation))  # members between collectives see it at commit
+
+    def broken(self, generation: int) -> bool:
+        return self.statements.holds(Keys.broken(generation))
+
+    def signalled(self, generation: int) -> bool:
+        return self.statements.holds(Keys.signal(generation))
+
     def track(self, generation: int, sockets: dict[str, int], forming_since: dict[str, int] | None = None) -> None:
         """Remember the generation this worker is in now, and its group's connections; while the
         group forms (``forming_since``: the sockets open before), every connection opened since."""
@@ -163,11 +218,12 @@ class ElasticClient:
             try:
                 now = time.monotonic()
                 if now - last_beat >= HEARTBEAT_INTERVAL_S:
-                    self._watch_store.add(Keys.heartbeat(self.member), 1)
+                    # a count that only grows, even across a re-init: an old beat replayed is no sign of life
+                    self._watch_statements.state(Keys.heartbeat(self.member), str(time.monotonic_ns()))
                     last_beat = now
                 generation = self._generation
                 if generation >= 0 and self._aborted != generation and \
-                        self._watch_store.add(Keys.broken(generation), 0) > 0:
+                        self._watch_statements.holds(Keys.broken(generation)):
                     self.abort(generation)
             except Exception:  # noqa: BLE001 - the store is gone (the launcher ended): nothing to watch
                 self._stop.wait(1.0)

@@ -319,14 +319,23 @@ def membership() -> Membership | None:
     return _current.membership if _current else None
 
 
+def generation_ending(generation: int) -> str | None:
+    """Whether elastic ``generation`` is ending, as its members and the coordinator stated it:
+    ``"failure"`` (it lost a member), ``"planned"`` (joiners wait), or ``None``."""
+    if _elastic is None:
+        return None
+    if not _elastic.signalled(generation):
+        return None
+    return "failure" if _elastic.broken(generation) else "planned"
+
+
 def mark_broken() -> None:
     """Declare the current generation broken: every member aborts its pending collectives now."""
     current = _current
     if current is None or _elastic is None or current.membership is None:
         return
     try:
-        current.store.add(Keys.broken(current.generation), 1)
-        current.store.add(Keys.signal(current.generation), 1)  # members between collectives see it at commit
+        _elastic.mark_broken(current.generation)
     except (RuntimeError, OSError):
         pass  # the peers learn it from their own failures, or from the coordinator
     _elastic.abort(current.generation)
@@ -369,7 +378,7 @@ def _next_generation(reason: str, generation: int, info: LaunchInfo, timeout_s: 
         except CollectiveTimeoutError:
             generation, reason = int(answer["generation"]), "failure"
             try:
-                store.add(Keys.broken(generation), 1)
+                _elastic.mark_broken(generation)
             except (RuntimeError, OSError):
                 pass
             _leave_group()
@@ -434,7 +443,7 @@ def _await_members(store: Any, keys: str, generation: int, size: int, timeout_s:
     store.add(arrived, 1)
     deadline = time.monotonic() + timeout_s
     while store.add(arrived, 0) < size:
-        if store.add(Keys.broken(generation), 0) > 0 or time.monotonic() > deadline:
+        if _elastic.broken(generation) or time.monotonic() > deadline:
             raise CollectiveTimeoutError(
                 f"forming generation {generation} of the elastic group failed: a member was lost before all "
                 f"{size} arrived.")

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from phalanx.comm import runtime
-from phalanx.comm.membership import Keys, MembershipClosed
+from phalanx.comm.membership import MembershipClosed
 from phalanx.elastic.state import MembershipChanged, State
 from phalanx.errors import CollectiveError, CollectiveTimeoutError
 
@@ -75,10 +75,10 @@ def follow() -> bool:
     if view is None:
         runtime.rejoin("join")
         return True
-    store = runtime.store()
-    if store.add(Keys.signal(view.generation), 0) == 0:
+    ending = runtime.generation_ending(view.generation)
+    if ending is None:
         return False
-    runtime.rejoin("failure" if store.add(Keys.broken(view.generation), 0) > 0 else "planned")
+    runtime.rejoin(ending)
     return True
 
 
@@ -98,18 +98,18 @@ def _generation_broken() -> bool:
     if view is None:
         return False
     try:
-        return runtime.store().add(Keys.broken(view.generation), 0) > 0
+        return runtime.generation_ending(view.generation) == "failure"
     except (RuntimeError, OSError):
         return True  # the store itself is unreachable: rejoining will say why
 
 
 def _start(state: State) -> None:
-    """Founders agree on the initial state; a worker started later asks to be admitted."""
-    detected = time.monotonic()
+    """Founders agree on the initial state; a worker started later asks to be admitted. A failure is
+    dated when it surfaces (the first sync may wait a heartbeat timeout for a frozen founder)."""
     if runtime.membership() is None:
-        _recover(state, "join", detected)
+        _recover(state, "join", time.monotonic())
     elif not _synced(state):
-        _recover(state, "failure", detected)
+        _recover(state, "failure", time.monotonic())
 
 
 def _recover(state: State, reason: str, detected: float) -> None:

@@ -293,11 +293,12 @@ def _check_membership(version: int) -> None:
     view = runtime.membership()
     if view is None:
         return
-    store = runtime.store()
-    if store.add(Keys.signal(view.generation), 0) == 0:
+    ending = runtime.generation_ending(view.generation)
+    if ending is None:
         return
-    if store.add(Keys.broken(view.generation), 0) > 0:
+    if ending == "failure":
         raise MembershipChanged("failure")
+    store = runtime.store()
     # Members are at most one commit apart (each step synchronises), so the first to see the
     # signal proposes the next commit, and every member ends the generation right after it.
     boundary = int(store.compare_set(Keys.boundary(view.generation), "", str(version + 1)))
