@@ -149,3 +149,27 @@ def test_a_stale_request_is_excluded_and_late_joiners_of_a_finished_job_are_told
     request(store, 9, 2, "join")
     coordinator.step()
     assert coordinator.status == "finished" and answer(store, 9, 2)["status"] == "finished"
+
+
+def test_a_coordinator_whose_store_fails_gives_up_once_with_a_clear_error() -> None:
+    """Its store gone (here: the server stopped), the coordinator retries on new connections for a
+    heartbeat timeout, logging once, then records why it failed: the launcher stops the job on it
+    rather than wait forever for members it can no longer hear."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=0.3))
+    said: list[str] = []
+    coordinator = Coordinator(client, SECRET, CoordinatorConfig(1, 2, 0.5, 30.0), log=said.append)
+    form(client, coordinator, [1])
+    coordinator.start()
+    del server  # the store's server goes away
+    deadline = time.monotonic() + 20
+    while coordinator.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    coordinator.stop()
+    assert coordinator.failure is not None and "could not use the store" in coordinator.failure, said
+    assert not coordinator.busy()
+    errors = [line for line in said if "coordinator" in line]
+    assert len(errors) == 2 and "retrying" in errors[0] and "stopping the job" in errors[1], said
+    assert all("frame #" not in line for line in errors), errors

@@ -146,7 +146,9 @@ class Coordinator:
                 now = time.monotonic()
                 if failing_since is None:  # once per failure: a new connection may be all it needs
                     failing_since = now
-                    self.log(f"phalanx run: elastic coordinator error: {error!r}; retrying on a new connection")
+                    first_line = (str(error).splitlines() or [""])[0][:200]  # torch appends C++ frames
+                    self.log(f"phalanx run: elastic coordinator error: {type(error).__name__}: {first_line}; "
+                             "retrying on a new connection")
                 elif now - failing_since > self.config.heartbeat_timeout_s:
                     self.failure = (f"the elastic coordinator on node 0 could not use the store for "
                                     f"{now - failing_since:.0f}s ({str(error).splitlines()[0][:200]})")

@@ -83,7 +83,8 @@ class Statements:
 
     def __init__(self, store: Any, secret: auth.JobSecret, share: bool = False):
         self.store, self.secret = (store if share else store.clone()), secret
-        self.store.set_timeout(datetime.timedelta(seconds=STATEMENT_READ_TIMEOUT_S))
+        if not share:  # a shared store keeps its owner's timeout
+            self.store.set_timeout(datetime.timedelta(seconds=STATEMENT_READ_TIMEOUT_S))
         self._warned: set[str] = set()
 
     def state(self, key: str, value: str = "1") -> None:
