@@ -27,9 +27,9 @@ def run(fn: Callable[..., T]) -> Callable[..., T | None]:
     loaders and calls ``fn`` again. Other exceptions propagate unchanged.
 
     Outside an elastic launch it simply calls ``fn``. A worker started after the job finished
-    returns ``None`` without calling it, saying so (``px.fit`` then exits the process with status 0). When fewer than ``--min-workers`` remain, the first
-    survivor saves the last commit to ``state.checkpoint_path`` (if set) and every survivor raises
-    :class:`px.elastic.MembershipClosed`.
+    returns ``None`` without calling it, saying so (``px.fit`` then exits the process with status
+    0). When fewer than ``--min-workers`` remain, the first survivor saves the last commit to
+    ``state.checkpoint_path`` (if set) and every survivor raises :class:`px.elastic.MembershipClosed`.
     """
 
     @functools.wraps(fn)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_policy(policy: str) -> str:
+    """``policy`` if it is one of :data:`POLICIES`; a clear error otherwise."""
     if policy not in POLICIES:
         raise ConfigurationError(f"on_nonfinite must be one of {list(POLICIES)}, got {policy!r}.")
     return policy
@@ -52,6 +53,9 @@ class NonFiniteGuard:
 
     def __init__(self, policy: str = "raise", agreement: str = "gradient", precision: str = "32",
                  clipping: Clipping | None = None):
+        if agreement not in AGREEMENTS:
+            raise ConfigurationError(f"a strategy's nonfinite_agreement must be one of {list(AGREEMENTS)}, got "
+                                     f"{agreement!r}.")
         self.policy, self.agreement = check_policy(policy), agreement
         self.precision, self.clipping = precision, clipping
         self.skipped_steps = 0  # steps skipped under "skip", over the run
@@ -107,8 +111,8 @@ class NonFiniteGuard:
                            "phalanx: skipped %s on every rank (on_nonfinite='skip'): %s", where, _what(ranks))
             return
         error = NonFiniteLossError if ranks else NonFiniteGradientError
-        raise error(f"{_what(ranks)} at {where}{context}; every rank stops here, before the step is applied, so the weights "
-                    f"(and every checkpoint) are the last finite ones. {self._advice(ranks)}",
+        raise error(f"{_what(ranks)} at {where}{context}; every rank stops here, before the step is applied, so "
+                    f"the weights (and every checkpoint) are the last finite ones. {self._advice(ranks)}",
                     ranks=ranks) from cause
 
     def _local_flags(self, params: Iterable[torch.Tensor]) -> tuple[bool, bool]:
