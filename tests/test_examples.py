@@ -63,7 +63,8 @@ def test_the_quickstart_prints_readmes_figures_at_one_and_two_workers_and_bitwis
     one_more = re.search(r"add\s+`(reproducible=True, micro_batch_size=\d+)`\s+to\s+`px.fit`", readme)
     assert one_more, "README no longer shows the reproducible variant"
     script = tmp_path / "reproducible.py"
-    script.write_text((EXAMPLES / "quickstart.py").read_text().replace("epochs=10,", f"epochs=10, {one_more[1]},"))
+    # two epochs show the bits agree as well as ten, in a fifth of the time
+    script.write_text((EXAMPLES / "quickstart.py").read_text().replace("epochs=10,", f"epochs=2, {one_more[1]},"))
     weights = []
     for workers in (1, 2):
         _quickstart(tmp_path / f"reproducible-{workers}", workers, script)
