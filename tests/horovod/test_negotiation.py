@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.harness import run_workers
 
@@ -24,11 +25,18 @@ def _raised(call) -> str:
 
 def _out_of_order() -> dict:
     """Ranks submit named operations in opposite orders; one rank submits while the other waits in
-    a barrier; a second operation of a name in flight is refused on the rank that made it."""
+    a barrier; a second operation of a name in flight is refused on the rank that made it. An
+    outsider rings the doorbell ahead (a raw store client, docs/security.md): empty cycles, the
+    same results."""
+    import phalanx as px
     import phalanx.horovod.torch as hvd
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        outsider = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False)
+        for ring in range(100):
+            outsider.set(f"{px.communicator().prefix}horovod/bell/{ring}", "forged")
     names = [f"t{k}" for k in range(4)]
     order = names if r % 2 == 0 else names[::-1]
     handles = {name: hvd.allreduce_async(torch.full((3,), float(k + 10 * r)), name=name, op=hvd.Sum)
@@ -193,6 +201,32 @@ def test_a_missing_or_dead_rank_is_an_error_naming_it_not_a_hang() -> None:
     assert out["never"].startswith("HorovodTimeoutError") and "rank(s) [1] did not submit" in out["never"], out
     assert 7.5 < out["never_s"] < 15
     assert out["dead"].startswith("HorovodTimeoutError") and out["dead_s"] < 5, out
+
+
+def _barrier_after_an_operation_only_rank_0_submitted() -> dict:
+    """Issue 40: rank 0 runs allreduce 'only0' then a barrier; rank 1 only the barrier."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    out = {}
+    if hvd.rank() == 0:
+        out["only0"] = _raised(lambda: hvd.allreduce(torch.ones(1), name="only0"))
+    out["barrier"] = _raised(hvd.barrier)
+    hvd.shutdown()
+    return out
+
+
+def test_an_operation_one_rank_gave_up_on_fails_alike_everywhere_and_no_barrier_passes() -> None:
+    """The ranks agree on a timeout: rank 0's allreduce and rank 1's barrier, each waiting for the
+    other rank, fail with the same report naming both; rank 0's barrier then meets no barrier of
+    rank 1's (rank 1 shuts down) instead of passing alone."""
+    first, second = run_workers(_barrier_after_an_operation_only_rank_0_submitted, 2, collective_timeout=3)
+    assert first["only0"].startswith("HorovodTimeoutError: allreduce 'only0' on rank 0:"), first
+    assert second["barrier"].startswith("HorovodTimeoutError: barrier 'barrier.noname.0' on rank 1:"), second
+    assert first["only0"].split(": ", 2)[2] == second["barrier"].split(": ", 2)[2]  # the same report
+    assert "allreduce 'only0' (submitted by rank(s) [0], rank(s) [1] did not submit it)" in first["only0"], first
+    assert "barrier 'barrier.noname.0' (submitted by rank(s) [1], rank(s) [0] did not submit it)" in first["only0"]
+    assert first["barrier"].startswith("HorovodMismatchError") and "[1] have shut down" in first["barrier"], first
 
 
 def _world_of_one() -> list:

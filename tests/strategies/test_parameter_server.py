@@ -6,6 +6,7 @@ compared with px.DataParallel's on the same data.
 
 from __future__ import annotations
 
+import datetime
 import re
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from phalanx.data import epoch_plan
 
 from tests.cli.test_launcher import phalanx_command, run_on_hosts, worker_env
+from tests.elastic.launch import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -112,9 +115,25 @@ def test_fit_accumulating_through_servers_trains_like_whole_batches(tmp_path: Pa
 def test_sync_servers_clip_the_gradient_they_apply_and_follow_a_torch_scheduler(tmp_path: Path) -> None:
     """Clipped by value and by norm (over both servers' shards, summed through the store), with a
     torch StepLR: the serial loop's weights (test_shard.py checks the shards' arithmetic, for
-    asynchronous servers too)."""
-    got = trained(tmp_path, "ps-clipped", ["-n", "2", "--servers", "2"], "sync", "--loop", "fit",
-                  "--clip-value", "0.02", "--clip-norm", "0.05", "--step-lr", "4")
+    asynchronous servers too). An outsider who reaches the store's port writes every step's
+    squared norms first (issue 40): the servers wait past values without the job's secret, and
+    the weights are the same."""
+    port, out = free_port(), tmp_path / "ps-clipped.pt"
+    job = subprocess.Popen(phalanx_command("--timeout", "60", "--master-port", str(port), "-n", "2", "--servers", "2",
+                                           SCRIPT, "sync", str(out), "--loop", "fit", "--clip-value", "0.02",
+                                           "--clip-norm", "0.05", "--step-lr", "4"),
+                           cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        outsider = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=30))
+        for step in range(30):  # 2 epochs of 15 global batches
+            for server in range(2):
+                outsider.set(f"phalanx/ps/squared-norm/{step}/{server}", "1e30")
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stdout + stderr
+    got = torch.load(out)
     assert_close(got, _serial_fit(clip_value=0.02, clip_norm=0.05, step_size=4))
     assert any(not torch.allclose(got[key], value, atol=1e-4)  # the clipping bit
                for key, value in _serial_fit(step_size=4).items())

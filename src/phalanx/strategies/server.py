@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from phalanx.comm import runtime
+from phalanx.comm import auth, runtime
 from phalanx.comm.channel import Channel, ChannelClosed, Listener, own_connection
-from phalanx.errors import CollectiveTimeoutError
+from phalanx.comm.sealed_store import SealedStore
+from phalanx.errors import AuthenticationError, CollectiveTimeoutError
 from phalanx.parallel.clipping import Clipping
 from phalanx.strategies import protocol as wire
 from phalanx.strategies.dealer import Dealer
@@ -228,9 +229,12 @@ class Server:
 
     def _sum_over_servers(self, value: float) -> float:
         """``value`` summed over every server at this step, in server order (so the same sum on each),
-        through the rendezvous store: the servers share no group. Called under the lock."""
+        through the rendezvous store: the servers share no group. Each part is sealed with the job's
+        secret, so a part someone else wrote is waited past, never added. Called under the lock."""
         if self._store is None:
-            self._store = own_connection(runtime.store())
+            self._store = SealedStore(own_connection(runtime.store()),
+                                      auth.required("a parameter server", "launch with phalanx run --servers"),
+                                      self.timeout_s)
 
         def key(server: int, step: int) -> str:
             return f"phalanx/ps/squared-norm/{step}/{server}"
@@ -242,7 +246,13 @@ class Server:
             raise CollectiveTimeoutError(
                 f"parameter server {self.server}: step {self.step}'s gradient norm lacks another server's part "
                 f"after {self.timeout_s:.0f}s (clip_grad_norm sums it over the servers): {error}") from error
-        total = sum(float(self._store.get(k)) for k in keys)
+        try:
+            total = sum(float(self._store.get(k)) for k in keys)
+        except AuthenticationError as error:
+            raise AuthenticationError(
+                f"parameter server {self.server}: step {self.step}'s gradient norm was not summed: {error} "
+                f"(still after {self.timeout_s:.0f}s), so something other than this job writes to the store's port. "
+                "Keep the port private: see docs/security.md.") from error
         if self.step:  # every server read the previous step's parts before any worker could push this step
             self._store.delete_key(key(self.server, self.step - 1))
         return total

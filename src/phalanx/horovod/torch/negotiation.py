@@ -10,7 +10,12 @@ table and reaches the same decisions in the same order:
 - a ready operation whose records disagree (dtype, shape, op, root, kind), or that a joined rank
   cannot take part in, fails on every rank that submitted it with the same message; nothing is sent;
 - the others are launched in the table's order on groups of their own (one pair per process set),
-  so they never interleave with the collectives the rest of phalanx runs from the user's thread.
+  so they never interleave with the collectives the rest of phalanx runs from the user's thread;
+- an operation that a rank waited for longer than the job's timeout is *overdue*: that rank says so
+  in the next cycle, and every rank fails it, and every other operation still waiting on any of its
+  ranks, on every rank that submitted them, with one report (who submitted each, who did not). As
+  with Horovod's stall check, the verdict is the same everywhere: no rank later matches an operation
+  that another rank has given up on (a barrier never passes on one rank and times out on another).
 
 Leaving (``hvd.shutdown()``, or the end of the generation or process) is collective, like MPI's
 finalize: a rank that leaves keeps taking part in the cycles until every rank has left (at most the
@@ -102,6 +107,7 @@ class Negotiator:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._outbox: list[Submission] = []
+        self._overdue: list[Submission] = []  # waited for past the timeout here: every rank is told next cycle
         self._join_requested = self._leaving = False
         self._left: set[int] = set()  # ranks that have left (hvd.shutdown())
         self._mine: dict[Key, Submission] = {}  # submitted here, not settled yet
@@ -160,8 +166,15 @@ class Negotiator:
                                       "did not call hvd.join().")
 
     def launched(self, submission: Submission) -> Any:
-        """What ``submission`` launched, once agreed; its error, or a timeout naming the missing ranks."""
-        if self._awaited(submission.future):
+        """What ``submission`` launched, once agreed; its error. Not agreed within the timeout, it is
+        declared overdue and the next cycle settles it on every rank alike (see :meth:`_stall`); a
+        timeout naming the missing ranks only if the negotiation does not answer at all."""
+        if not self._awaited(submission.future):
+            with self._lock:
+                self._overdue.append(submission)
+                self._ring()
+            self._awaited(submission.future)
+        if submission.future.done():
             return submission.future.result()
         kind, name = submission.record["kind"], submission.key[1]
         missing = sorted(set(submission.record["ranks"]) - set(self._table.get(submission.key, {})))
@@ -240,7 +253,7 @@ class Negotiator:
             bell.delete_key(f"{self._bell_prefix}{self._bells - 1}")  # every thread is past it
         self._bells += 1
         with self._lock:
-            news = bool(self._outbox) or self._join_requested or self._leaving
+            news = bool(self._outbox or self._overdue) or self._join_requested or self._leaving
             self._armed = "" if news else key
         if news:
             bell.set(key, "1")
@@ -253,6 +266,7 @@ class Negotiator:
         """Exchange what is new, update the shared table, settle what is ready. Whether anything moved."""
         with self._lock:
             outgoing, self._outbox = self._outbox, []
+            overdue, self._overdue = self._overdue, []
             joining, self._join_requested = self._join_requested, False
             leaving, self._leaving = self._leaving, False  # said once
         for submission in outgoing:
@@ -260,19 +274,23 @@ class Negotiator:
         message: dict[str, Any] = {}
         if outgoing:
             message["ops"] = [[s.key[0], s.key[1], s.record] for s in outgoing]
+        overdue = [s for s in overdue if self._mine.get(s.key) is s]  # not settled since its caller gave up
+        if overdue:
+            message["overdue"] = [list(s.key) for s in overdue]
         if joining:
             message["join"] = 1
         if leaving:
             message["leave"] = 1
-        received = self._exchange(json.dumps(message).encode() if message else b"")
-        for rank, raw in enumerate(received):
-            if raw:
-                self._take(rank, json.loads(raw))
+        received = [json.loads(raw) if raw else {} for raw in
+                    self._exchange(json.dumps(message).encode() if message else b"")]
+        for rank, news in enumerate(received):
+            self._take(rank, news)
         if len(self._left) == self.size:
             raise _AllLeft()
-        settled = self._settle_ready()
+        settled = self._settle_ready()  # first: an operation agreed in the cycle that declares it overdue runs
+        stalled = self._stall([(set_id, name) for news in received for set_id, name in news.get("overdue", [])])
         self._finish_join()
-        return settled or any(received)
+        return settled or stalled or any(received)
 
     def _take(self, rank: int, message: dict[str, Any]) -> None:
         for set_id, name, record in message.get("ops", []):
@@ -314,6 +332,28 @@ class Negotiator:
             self._settle(key, records, missing, _disagreement(records, missing, gone))
             settled = True
         return settled
+
+    def _stall(self, overdue: list[Key]) -> bool:
+        """Fail the ``overdue`` operations still waiting, and every other operation waiting on any of
+        their ranks, on every rank that submitted them, with one report (the same on every rank: the
+        table is): those ranks disagree on what to submit, so none of it may be matched later by a
+        rank that gave up meanwhile. Whether any failed."""
+        ranks = {rank for key in overdue if key in self._table for rank in _members(self._table[key])}
+        if not ranks:
+            return False
+        stalled = [key for key in self._table if ranks & set(_members(self._table[key]))]
+        report = "; ".join(_described(key, self._table[key]) for key in stalled)
+        for key in stalled:
+            del self._table[key]
+            mine = self._mine.pop(key, None)
+            if mine is not None:
+                mine.future.set_exception(HorovodTimeoutError(
+                    f"{mine.record['kind']} '{key[1]}' on rank {self.rank}: the ranks did not submit the same "
+                    f"operations within {self.timeout_s:.0f}s: {report}. Each fails on every rank that submitted "
+                    "it. Every rank of the process set must submit an operation (names are matched across ranks; "
+                    "an unnamed operation is named by its kind and how many of that kind the set had since the "
+                    "last barrier, join or init)."))
+        return True
 
     def _settle(self, key: Key, records: dict[int, Record], joined: list[int], error: str | None) -> None:
         mine = self._mine.pop(key, None)
@@ -368,6 +408,18 @@ def _rung(bell: Any, key: str) -> bool:
             raise
         return False
     return True
+
+
+def _members(records: dict[int, Record]) -> list[int]:
+    """The ranks of the process set an operation belongs to."""
+    return list(next(iter(records.values()))["ranks"])
+
+
+def _described(key: Key, records: dict[int, Record]) -> str:
+    """An operation still waiting, for a stall report: who submitted it and who did not."""
+    missing = [rank for rank in _members(records) if rank not in records]
+    return (f"{next(iter(records.values()))['kind']} '{key[1]}' (submitted by rank(s) {sorted(records)}, "
+            f"rank(s) {missing} did not submit it)")
 
 
 def _disagreement(records: dict[int, Record], joined: list[int], gone: list[int]) -> str | None:
