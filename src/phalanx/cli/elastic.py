@@ -93,7 +93,7 @@ class ElasticSupervisor(Supervisor):
         self._post({"type": "exit", "member": self.members[worker], "code": code, "time": time.time()})
         if code == 0:
             with contextlib.suppress(RuntimeError, OSError):
-                self.store.set(Keys.COMPLETED, "1")
+                self.store.set(Keys.COMPLETED, self.secret.seal(Keys.COMPLETED, "1"))
         else:
             worker.signal_group(signal.SIGKILL)  # its children too, while its group id cannot be reused
             self._refresh_job_failure()
@@ -213,7 +213,7 @@ class ElasticSupervisor(Supervisor):
 
     def _completed_elsewhere(self) -> bool:
         try:
-            return bool(self.store.check([Keys.COMPLETED]))
+            return self._sealed(Keys.COMPLETED) is not None  # an outsider's value does not complete the job
         except (RuntimeError, OSError):
             return False
 

@@ -67,7 +67,7 @@ def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch
             device_id=device if backend == "nccl" else None,
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout_delta) if backend == "nccl" else dist.group.WORLD
-        executor = _open_shm(info, rendezvous, keys, generation, transport, backend, timeout_s)
+        executor = _open_shm(info, sealed, keys, generation, transport, backend, timeout_s)
     except PhalanxError:
         raise
     except (RuntimeError, OSError) as error:

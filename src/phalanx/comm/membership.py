@@ -108,6 +108,16 @@ class Statements:
     def holds(self, key: str) -> bool:
         return self.read(key) is not None
 
+    def agree(self, key: str, proposed: str) -> str | None:
+        """The value stated first at ``key``: ``proposed`` if nobody stated one before; ``None`` when
+        the key holds a value without the secret (whoever wrote it first, it decides nothing)."""
+        current = self.store.compare_set(key, "", self.secret.seal(key, proposed))
+        try:
+            return self.secret.open(key, current)[0].decode()
+        except AuthenticationError:
+            logger.warning("phalanx elastic: the value at %s does not carry the job's secret", key)
+            return None
+
 
 @dataclass(frozen=True)
 class Membership:
@@ -191,6 +201,10 @@ class ElasticClient:
         """State that ``generation`` lost a member and should end (its peers' watchdogs abort it)."""
         self.statements.state(Keys.broken(generation))
         self.statements.state(Keys.signal(generation))  # members between collectives see it at commit
+
+    def agree_boundary(self, generation: int, proposed: int) -> int | None:
+        agreed = self.statements.agree(Keys.boundary(generation), str(proposed))
+        return None if agreed is None else int(agreed)
 
     def broken(self, generation: int) -> bool:
         return self.statements.holds(Keys.broken(generation))

@@ -329,6 +329,13 @@ def generation_ending(generation: int) -> str | None:
     return "failure" if _elastic.broken(generation) else "planned"
 
 
+def agree_boundary(generation: int, proposed: int) -> int | None:
+    """The commit after which elastic ``generation`` ends for joiners: the first member's proposal,
+    agreed through the store and sealed; ``None`` when the key holds a value without the secret."""
+    assert _elastic is not None
+    return _elastic.agree_boundary(generation, proposed)
+
+
 def mark_broken() -> None:
     """Declare the current generation broken: every member aborts its pending collectives now."""
     current = _current

@@ -288,8 +288,6 @@ def _is_stateful(entry: Any) -> bool:
 
 def _check_membership(version: int) -> None:
     """One store read per commit; raise MembershipChanged when this boundary ends the generation."""
-    from phalanx.comm.membership import Keys
-
     view = runtime.membership()
     if view is None:
         return
@@ -298,10 +296,11 @@ def _check_membership(version: int) -> None:
         return
     if ending == "failure":
         raise MembershipChanged("failure")
-    store = runtime.store()
     # Members are at most one commit apart (each step synchronises), so the first to see the
     # signal proposes the next commit, and every member ends the generation right after it.
-    boundary = int(store.compare_set(Keys.boundary(view.generation), "", str(version + 1)))
+    boundary = runtime.agree_boundary(view.generation, version + 1)
+    if boundary is None:  # a value without the job's secret holds the key: end it as after a failure
+        raise MembershipChanged("failure")
     if version >= boundary:
         raise MembershipChanged("planned")
 
