@@ -5,17 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 FORWARD, BACKWARD, OPTIMIZER, DATA = 0.010, 0.020, 0.002, 0.001
+FAULT_S = 3e-6
 BUCKETS = ((0.25, 1_000_000, 0.0), (1.0, 3_000_000, 0.004))  # (ready share of backward, bytes, waited)
 
 
 def steps(count: int, rank: int = 0, wait_scale: float = 1.0, samples: int = 32,
-          compute_scale: float = 1.0, short_last: int | None = None) -> list[list[Any]]:
+          compute_scale: float = 1.0, short_last: int | None = None, faults: int = 0) -> list[list[Any]]:
     """Events of a warm-up step's end, then ``count`` steps: data, forward, backward, buckets launched
-    and waited for, optimizer (the last step of ``short_last`` samples, if given, in half the compute)."""
-    events: list[list[Any]] = [["step", 0.0, {"cpu": 0.0}]]
+    and waited for, optimizer (the last step of ``short_last`` samples, if given, in half the compute);
+    each step takes ``faults`` page faults, 3 µs of kernel time each."""
+    events: list[list[Any]] = [["step", 0.0, {"cpu": 0.0, "system": 0.0, "faults": 0}]]
     t = 0.0
-    for index in range(count):
-        short = short_last is not None and index == count - 1
+    for number in range(1, count + 1):
+        short = short_last is not None and number == count
         events.append(["data", t + DATA, {"started": t}])
         t += DATA
         events.append(["forward", t, {"samples": short_last if short else samples}])
@@ -32,13 +34,13 @@ def steps(count: int, rank: int = 0, wait_scale: float = 1.0, samples: int = 32,
             exposed += waited * wait_scale
         events.append(["optimizer", t, {}])
         t += OPTIMIZER
-        events.append(["step", t, {"cpu": t}])
+        events.append(["step", t, {"cpu": t, "system": number * faults * FAULT_S, "faults": number * faults}])
     return events
 
 
 def record(rank: int = 0, world: int = 2, local: int = 2, cores: int = 2, count: int = 6, warmup: int = 1,
            samples: int = 32, wait_scale: float = 1.0, compute_scale: float = 1.0,
-           short_last: int | None = None) -> dict[str, Any]:
+           short_last: int | None = None, faults: int = 0) -> dict[str, Any]:
     """One rank's record as the session writes it."""
     figures = None
     if world > 1:
@@ -48,8 +50,9 @@ def record(rank: int = 0, world: int = 2, local: int = 2, cores: int = 2, count:
     return {"rank": rank, "warmup": warmup, "complete": True, "world_size": world, "local_size": local, "node": 0,
             "transport": "shm" if world > 1 else "gloo", "transport_figures": figures,
             "host": {"cores": cores, "cpu_count": cores, "threads": 1, "interop_threads": 1, "hostname": "h"},
-            "events": steps(count, rank, wait_scale, samples, compute_scale, short_last) if world > 1
-            else _without_buckets(steps(count, samples=samples, compute_scale=compute_scale, short_last=short_last))}
+            "events": steps(count, rank, wait_scale, samples, compute_scale, short_last, faults) if world > 1
+            else _without_buckets(steps(count, samples=samples, compute_scale=compute_scale, short_last=short_last,
+                                        faults=faults))}
 
 
 def _without_buckets(events: list[list[Any]]) -> list[list[Any]]:

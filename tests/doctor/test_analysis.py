@@ -176,3 +176,15 @@ def test_a_busy_host_is_measured_and_nothing_is_predicted_from_it() -> None:
                for _, reason in busy.not_predicted)
     text = report.render(busy, "train.py")
     assert "Predicted: nothing; the host was busy" in text and "Recommendations: none; the host was too busy" in text
+
+
+def test_page_faults_are_named_with_their_kernel_time_where_another_run_may_not_pay_it() -> None:
+    run = [fake.record(rank, faults=30) for rank in range(2)]
+    faulting = diagnose_records(run, [fake.record(0, world=1, local=1, samples=64, faults=2000)], [])
+    assert faulting.reference.page_faults == 2000 and faulting.reference.system_s == pytest.approx(2000 * fake.FAULT_S)
+    assert faulting.measured.page_faults == 30 and faulting.as_dict()["reference"]["page_faults"] == 2000
+    header = report.render(faulting, "train.py").split("\n\n")[0].splitlines()
+    assert "in the kernel" not in header[0] and "(6.0 ms of it in the kernel: 2000 page faults)" in header[1]
+    assert "a run whose allocator keeps it is up to that much faster" in header[2]
+    steady = diagnose_records(run, [fake.record(0, world=1, local=1, samples=64, faults=30)], [])
+    assert len(report.render(steady, "train.py").split("\n\n")[0].splitlines()) == 2

@@ -50,6 +50,8 @@ class Measured:
     optimizer_s: float
     other_s: float
     cpu_s: float
+    system_s: float  # of cpu_s, in the kernel: mostly page faults
+    page_faults: float  # minor faults per step: memory touched afresh (see docs/doctor.md)
     steps: int
     buckets: tuple[Bucket, ...]
     transport_figures: dict[str, Any] | None
@@ -114,7 +116,8 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
         step_s=per_rank("step_s"), data_wait_s=per_rank("data_s"),
         forward_s=mean(forwards) if forwards else None, backward_s=compute - mean(forwards) if forwards else None,
         compute_s=compute, exposed_comm_s=per_rank("exposed_s"), optimizer_s=per_rank("optimizer_s"),
-        other_s=per_rank("other_s"), cpu_s=per_rank("cpu_s"), steps=len(ranks[0].timed),
+        other_s=per_rank("other_s"), cpu_s=per_rank("cpu_s"), system_s=per_rank("system_s"),
+        page_faults=per_rank("faults"), steps=len(ranks[0].timed),
         buckets=_buckets(ranks[0].timed, first.get("transport_figures")),
         transport_figures=first.get("transport_figures"))
 

@@ -30,6 +30,8 @@ class Step:
     exposed_s: float
     optimizer_s: float
     cpu_s: float
+    system_s: float  # of cpu_s, in the kernel: mostly page faults
+    faults: int  # minor page faults: memory the process touched afresh
     samples: int
     #: Per bucket: seconds from the start of backward to its launch, bytes, seconds waited for it.
     buckets: tuple[tuple[float, int, float], ...]
@@ -97,6 +99,8 @@ def _step(previous: Event, events: list[Event]) -> Step | None:
                 forward_s=None if backward_t is None else backward_t - forward_t,
                 exposed_s=exposed, optimizer_s=end_t - optimizer_t,
                 cpu_s=events[-1][2]["cpu"] - previous[2]["cpu"],
+                system_s=events[-1][2]["system"] - previous[2]["system"],
+                faults=int(events[-1][2]["faults"] - previous[2]["faults"]),
                 samples=int(sum(f["samples"] for name, _, f in events if name == "forward")),
                 buckets=buckets)
 

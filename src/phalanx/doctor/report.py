@@ -6,6 +6,9 @@ from phalanx.doctor.diagnosis import Diagnosis
 from phalanx.doctor.measured import Measured
 from phalanx.doctor.predict import Layout
 
+#: Kernel time above this share of a step is named with the run's figure: another run may not pay it.
+KERNEL_SHARE = 0.05
+
 
 def render(diagnosis: Diagnosis, script: str) -> str:
     """The whole report."""
@@ -22,7 +25,7 @@ def _ms(seconds: float | None) -> str:
 
 def _header(run: Measured, reference: Measured | None, script: str) -> str:
     line = (f"phalanx doctor: {script} on {run.world_size} worker(s), transport {run.transport}; {run.steps} timed "
-            f"steps of a global batch of {run.global_batch}: {_ms(run.step_s)} per step, "
+            f"steps of a global batch of {run.global_batch}: {_ms(run.step_s)} per step{_kernel(run)}, "
             f"{run.global_batch / run.step_s:.0f} samples/s")
     left_out = [f"{n} slower step(s)" for n in (run.outliers,) if n]
     if run.short_batches:
@@ -30,8 +33,18 @@ def _header(run: Measured, reference: Measured | None, script: str) -> str:
     if left_out:
         line += f" ({' and '.join(left_out)} left out)"
     if reference is not None:
-        line += f"\n1 worker, same script and batch: {_ms(reference.step_s)} per step"
+        line += f"\n1 worker, same script and batch: {_ms(reference.step_s)} per step{_kernel(reference)}"
+        if _kernel(reference) or _kernel(run):
+            line += ("\n  (page faults: memory given back to the kernel and touched afresh every step; a run whose "
+                     "allocator keeps it is up to that much faster, so runs of this script can differ by as much)")
     return line
+
+
+def _kernel(run: Measured) -> str:
+    """The kernel's time in the step where it is worth naming, with the page faults that make it."""
+    if run.system_s <= KERNEL_SHARE * run.step_s:
+        return ""
+    return f" ({_ms(run.system_s)} of it in the kernel: {run.page_faults:.0f} page faults)"
 
 
 def _phases(run: Measured) -> str:
@@ -67,7 +80,8 @@ def _gbit(beta: float) -> str:
 def _host(run: Measured) -> str:
     verdict = "oversubscribed: workers take turns on the cores" if run.oversubscription > 1 else "not oversubscribed"
     return (f"Host: {run.workers_per_host} worker(s) x {run.threads} thread(s) on {run.cores} core(s) "
-            f"({run.oversubscription:.1f} per core, {verdict}); CPU time {_ms(run.cpu_s)} per step of {_ms(run.step_s)}; "
+            f"({run.oversubscription:.1f} per core, {verdict}); CPU time {_ms(run.cpu_s)} per step of {_ms(run.step_s)}, "
+            f"{_ms(run.system_s)} of it in the kernel ({run.page_faults:.0f} page faults); "
             f"data wait {100 * run.data_wait_s / run.step_s:.0f}% of the step")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import runpy
 import sys
 import threading
@@ -74,7 +75,8 @@ class Session:
         if id(optimizer) != self.optimizer:
             return
         self.count += 1
-        self.recorder.mark("step", cpu=time.process_time())
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # the kernel's share: page faults, system calls
+        self.recorder.mark("step", cpu=time.process_time(), system=usage.ru_stime, faults=usage.ru_minflt)
         if self.count == self.warmup:
             self.load.append(load.snapshot())
         for probe in self.probes:  # norms on every other measured step, the rest are timed
