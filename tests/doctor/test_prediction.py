@@ -65,36 +65,3 @@ def test_predictions_for_1_and_2_workers_agree_with_separate_runs_within_15_perc
         if not failures[-1]:
             return
     raise AssertionError(f"predictions (workers, predicted s, separate runs' s) off by more than 15 %: {failures}")
-
-
-def plain_step_s(steps: int) -> tuple[float, float]:
-    """A plain ``phalanx run -n 1`` of the script measured as the doctor measures its runs: the mean
-    of the typical steps among the ``steps`` after the warm-up, each timed by the script itself from
-    the previous step's end; and the cores other processes kept busy meanwhile."""
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "1", SCRIPT, "--time"], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.split("STEPS ", 1)[1])
-    timed = found["steps"][WARMUP - 1:WARMUP - 1 + steps]  # the script's i-th figure is step i + 2
-    return mean([timed[i] for i in typical(list(range(len(timed))), timed)]), found["other_load"] or 0.0
-
-
-def test_the_1_worker_row_is_what_a_plain_run_measures_within_10_percent() -> None:
-    """The row against plain runs just before and after the doctor's, the median of the quiet ones:
-    a host drifting while they run moves both sides alike (issue 39: it once said 0.079 s where
-    ``phalanx run -n 1`` took 0.062)."""
-    steps, failures = 20, []
-    for _ in range(ATTEMPTS):
-        before = plain_step_s(steps)
-        diagnosis = diagnose(SCRIPT, ["--time"], workers=2, steps=steps, warmup=WARMUP)
-        after = plain_step_s(steps)
-        assert diagnosis.model is not None
-        if diagnosis.model.busy:  # then nothing is predicted, and the report says why
-            assert not diagnosis.predictions
-            return
-        row = {p.layout: p.step_s for p in diagnosis.predictions}[Layout(1, 1)]
-        quiet = [step for step, load in (before, after) if load <= BUSY_SHARE * diagnosis.measured.cores]
-        if not quiet or abs(row / statistics.median(quiet) - 1) <= 0.10:
-            return
-        failures.append((row, before, after))
-    raise AssertionError(f"the 1-worker row (s) against plain runs before and after it (s, other cores busy): {failures}")
