@@ -3,23 +3,30 @@
     phalanx run -n 1 --device cuda benchmarks/bench_gpu.py --part fit          # px.fit vs a hand-written loop
     phalanx run -n G --device cuda benchmarks/bench_gpu.py --part ddp          # px.DataParallel vs DDP, G GPUs
     phalanx run -n G --device cuda benchmarks/bench_gpu.py --part reproducible # reproducible vs default px.fit
+    phalanx run -n 1 --device cuda benchmarks/bench_gpu.py --part profile      # where reproducible mode's time goes
 
 ``fit``: one epoch of ``--steps`` (+ ``--warmup``) global batches of bench_ddp.py's CNN and small
 transformer, SGD with momentum; px.fit against the loop a PyTorch user writes (a DataLoader with
 pinned memory, ``non_blocking`` copies, zero_grad/forward/backward/step) and against the fastest
-loop by hand (the dataset moved to the device once, batches by shuffled index), throughput measured from
+loop by hand (the dataset moved to the device once, batches by shuffled index), and px.fit with
+``data_on_device=False`` (batches copied on a side stream one step ahead) and with
+``on_nonfinite="ignore"`` (no check of the gradient, no sync a step), throughput measured from
 the first step after the warm-up to the last, with the GPU synchronised. ``ddp``: the same
 steps through ``px.DataParallel`` and ``torch.nn.parallel.DistributedDataParallel`` (default
 settings) over NCCL. ``reproducible``: px.fit with ``reproducible=True, micro_batch_size=32``
 against the default. Each repetition runs every variant once, the order rotated; reported: the
 median over repetitions of each variant's samples per second, and the median of the paired
-ratios against the first variant. The device is printed with the table. Runs on the CPU as
-well (``--device cpu``), for a smoke test.
+ratios against the first variant. The device is printed with the table. ``profile``: reproducible
+px.fit's steps after the warm-up under ``torch.profiler``, the operators by self CUDA and self CPU
+time, and the GPU's busy share of the wall time. Runs on the CPU as well (``--device cpu``), for a
+smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import os
 import statistics
 import sys
@@ -36,12 +43,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ddp import MODEL_SPECS, build_model  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--part", choices=["fit", "ddp", "reproducible"], default="fit")
+parser.add_argument("--part", choices=["fit", "ddp", "reproducible", "profile"], default="fit")
 parser.add_argument("--models", nargs="+", default=["cnn", "transformer"])
 parser.add_argument("--reps", type=int, default=7)
 parser.add_argument("--steps", type=int, default=50)
 parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--global-batch", type=int, default=256)
+parser.add_argument("--profile-mode", choices=["reproducible", "default"], default="reproducible",
+                    help="--part profile: which px.fit to profile")
 args = parser.parse_args()
 
 
@@ -147,7 +156,9 @@ def ddp(model: torch.nn.Module) -> torch.nn.Module:
 
 
 VARIANTS: dict[str, dict[str, Callable[[str], float]]] = {
-    "fit": {"hand-written": hand_written, "px.fit": px_fit, "hand-written, data on device": hand_written_on_device},
+    "fit": {"hand-written": hand_written, "px.fit": px_fit, "hand-written, data on device": hand_written_on_device,
+            "px.fit, data_on_device=False": lambda name: px_fit(name, data_on_device=False),
+            "px.fit, on_nonfinite=ignore": lambda name: px_fit(name, on_nonfinite="ignore")},
     "ddp": {"DDP": lambda name: wrapped_loop(name, ddp),
             "px.DataParallel": lambda name: wrapped_loop(name, px.DataParallel)},
     "reproducible": {"default": px_fit,
@@ -155,9 +166,53 @@ VARIANTS: dict[str, dict[str, Callable[[str], float]]] = {
 }
 
 
+class Profiled(px.callbacks.Callback):
+    """``torch.profiler`` over the steps after the warm-up."""
+
+    def __init__(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if px.device().type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.clock = Clock()
+
+    def on_step_end(self, step, logs, state) -> None:  # noqa: ANN001
+        self.clock.on_step_end(step, logs, state)
+        if step + 1 == args.warmup:
+            self.profiler.start()
+        elif step + 1 == args.warmup + args.steps:
+            synchronize()
+            self.profiler.stop()
+
+
+def profile(name: str) -> None:
+    """Where a px.fit step goes (``--profile-mode``): operators by self time, how busy the GPU was,
+    and px.fit's Python functions by own time (cProfile, a second run)."""
+    options = dict(reproducible=True, micro_batch_size=32) if args.profile_mode == "reproducible" else {}
+    torch.manual_seed(0)
+    model, profiled = build_model(name), Profiled()
+    px.fit(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), F.cross_entropy, dataset(name),
+           epochs=1, global_batch_size=args.global_batch, verbose=0, callbacks=[profiled], **options)
+    events = profiled.profiler.key_averages()
+    on_gpu = sum(event.self_device_time_total for event in events) / 1e6
+    wall = profiled.clock.seconds
+    print(f"# profile: {name}, px.fit {options or 'default'}, {args.steps} steps: {wall * 1e3 / args.steps:.2f} "
+          f"ms a step, the GPU busy {on_gpu / wall:.0%} of it ({on_gpu * 1e3 / args.steps:.2f} ms a step)")
+    sort = "self_cuda_time_total" if px.device().type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    python = cProfile.Profile()
+    python.runcall(px_fit, name, **options)
+    pstats.Stats(python).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     px.init()
+    if args.part == "profile":
+        for name in args.models:
+            profile(name)
+        return
     if args.part == "ddp" and px.size() < 2:
         raise SystemExit("--part ddp compares gradient reduction across workers: run it with -n 2 or more")
     device = torch.cuda.get_device_name(px.device()) if px.device().type == "cuda" else "CPU"

@@ -56,8 +56,23 @@ def weights_digest(net: nn.Module) -> str:
 
 
 def check_fit() -> dict[str, Any]:
+    """px.fit with the data kept on the GPU (the default for data this small) and copied one step
+    ahead (``data_on_device=False``); both loaders' batches against a host loader's."""
     figures = fit(model())
-    figures["pinned"] = bool(loader_for(data(), GLOBAL_BATCH, 0, shuffle=True).pin_memory)
+    figures["copied_accuracy"] = fit(model(), data_on_device=False)["accuracy"]
+    device = px.device() if px.device().type == "cuda" else None
+    host, kept, copied = (loader_for(data(), GLOBAL_BATCH, 0, shuffle=True, device=where, data_on_device=keep)
+                          for where, keep in ((None, None), (device, None), (device, False)))
+    figures["kept"] = kept.placement is not None and kept.placement.resident is not None
+    figures["pinned"] = copied.pin_memory
+    expected = [[part.clone() for part in batch] for batch in host]
+    for name, loader in (("kept", kept), ("copied", copied)):
+        got = [[part.clone() for part in batch] for batch in loader]
+        figures[f"{name}_batches_on"] = sorted({str(part.device) for batch in got for part in batch})
+        figures[f"{name}_batches_equal"] = len(got) == len(expected) and all(
+            torch.equal(a.cpu(), b) for mine, theirs in zip(got, expected) for a, b in zip(mine, theirs))
+    nan = torch.tensor([1.0, float("nan"), -3.0], device=px.device())
+    figures["fused_max_carries_nan"] = bool(torch._foreach_norm([nan], float("inf"))[0].isnan())
     return figures
 
 

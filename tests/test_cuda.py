@@ -44,16 +44,20 @@ def test_the_checks_run_on_the_cpu_too(tmp_path: Path) -> None:
     for check in ("fit", "compression", "syncbn"):
         assert figures[check]["device"] == "cpu" and figures[check]["accuracy"] > 0.9, figures
     assert not figures["fit"]["pinned"] and figures["horovod"]["last_loss"] < figures["horovod"]["first_loss"]
+    assert not figures["fit"]["kept"] and figures["fit"]["kept_batches_equal"] and figures["fit"]["copied_batches_equal"]
 
 
 cuda = pytest.mark.cuda
 
 
 @cuda
-def test_fit_trains_on_the_gpu_with_pinned_batches(tmp_path: Path) -> None:
+def test_fit_trains_on_the_gpu_with_its_data_kept_there_or_copied_one_step_ahead(tmp_path: Path) -> None:
     figures = run_check(tmp_path, "fit", "-n", "1")
     assert figures["device"] == "cuda:0" and figures["parameters_on"] == ["cuda:0"]
-    assert figures["pinned"] and figures["accuracy"] > 0.9
+    assert figures["accuracy"] > 0.9 and figures["copied_accuracy"] > 0.9, figures
+    assert figures["kept"] and figures["kept_batches_on"] == ["cuda:0"] and figures["kept_batches_equal"], figures
+    assert figures["pinned"] and figures["copied_batches_on"] == ["cuda:0"] and figures["copied_batches_equal"], figures
+    assert figures["fused_max_carries_nan"]  # what the non-finite check and the exact sum rely on there
 
 
 @cuda

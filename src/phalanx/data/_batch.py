@@ -13,13 +13,25 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["TensorData", "MapData", "empty_like_batch", "identity"]
+__all__ = ["TensorData", "MapData", "empty_like_batch", "identity", "map_tensors"]
 
 _ARRAYS = (torch.Tensor, np.ndarray)
 
 
 def identity(batch: Any) -> Any:
     """A picklable no-op collate function for batches that are built already."""
+    return batch
+
+
+def map_tensors(batch: Any, apply: Callable[[torch.Tensor], Any]) -> Any:
+    """``batch`` with ``apply(t)`` in place of every tensor ``t``, through tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return apply(batch)
+    if isinstance(batch, (list, tuple)):
+        items = [map_tensors(part, apply) for part in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    if isinstance(batch, dict):
+        return {key: map_tensors(value, apply) for key, value in batch.items()}
     return batch
 
 

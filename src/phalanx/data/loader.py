@@ -16,10 +16,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
 
 from phalanx import profile, rng
-from phalanx.data._batch import MapData, TensorData, empty_like_batch, identity
+from phalanx.data._batch import MapData, TensorData, empty_like_batch, identity, map_tensors
+from phalanx.data._device import copy_ahead, place, transfer_to
 from phalanx.data._prefetch import Prefetcher
 from phalanx.data._stream import chunked, mark_last, shuffle_buffer
 from phalanx.data.fingerprint import check_same_data, content_digest, record_of, sample_digest
@@ -55,7 +56,7 @@ class DistributedLoader:
     """Iterate this rank's contiguous share of each global batch of ``dataset``.
 
     ``dataset`` may be a map-style dataset (anything with ``__getitem__`` and ``__len__``), a
-    tensor or NumPy array, a tuple of equal-length tensors/arrays (fast path: one gather per
+    tensor or NumPy array, a tuple of equal-length tensors/arrays or a ``TensorDataset`` (fast path: one gather per
     tensor, no per-sample collate, unless ``collate_fn`` is given), or an ``IterableDataset``
     (every rank reads the whole stream and takes its share of each chunk of
     ``global_batch_size`` items; ``shuffle`` uses a seeded buffer of ``shuffle_buffer`` items,
@@ -69,6 +70,12 @@ class DistributedLoader:
     started in), their random streams continuing from epoch to epoch as in torch. ``pin_memory``
     pins batches in page-locked memory when a GPU is there to copy them to; ``worker_init_fn`` runs
     in each worker after its seeding. :func:`phalanx.data.from_dataloader` adopts a torch DataLoader.
+
+    ``device`` hands batches over on that device (``None``: where the data is). A dataset of tensors
+    is then kept on the device when it takes at most half its free memory (``data_on_device=None``,
+    decided once, here, and logged: ``placement.reason``), so every batch is gathered there; any
+    other data (or ``data_on_device=False``) is copied batch by batch from pinned memory on a side
+    stream, one batch ahead, so the copy overlaps the step (:mod:`phalanx.data._device`).
 
     ``rank``/``world_size`` default to the phalanx runtime's, or 0/1 when it is not running.
     Only one iteration of a loader may be active at a time: starting a new one stops the old.
@@ -101,6 +108,8 @@ class DistributedLoader:
         pin_memory: bool = False,
         persistent_workers: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
+        device: torch.device | str | None = None,
+        data_on_device: bool | None = None,
     ):
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         self.granularity = _granularity(micro_batch_size, global_batch_size, self.world_size)
@@ -117,7 +126,10 @@ class DistributedLoader:
         self.shuffle_buffer = _shuffle_buffer_size(shuffle_buffer, self.global_batch_size)
         self._data = _wrap_dataset(dataset, collate_fn)
         _check_workers(self._data, self.num_workers, persistent_workers)
-        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()  # pinning needs a GPU to copy to
+        self.placement = None if device is None else place(self._data, torch.device(device), data_on_device)
+        copies_to_gpu = self.placement is not None and self.placement.device.type == "cuda"
+        # pinning needs a GPU to copy to; the side stream's copies need it to be asynchronous
+        self.pin_memory = (bool(pin_memory) or copies_to_gpu) and torch.cuda.is_available()
         self.persistent_workers = bool(persistent_workers)
         self._workers: tuple[DataLoader, _Batches] | None = None  # kept across epochs when persistent
         self.worker_init_fn = worker_init_fn
@@ -256,11 +268,16 @@ class DistributedLoader:
     def _consume(self, steps: Iterator[_Step]) -> Iterator[Any]:
         """Hand batches to the user, advancing the position as each one is handed over."""
         source: Any = steps
-        if self.prefetch > 0 and self.num_workers == 0:
+        if self.prefetch > 0 and self.num_workers == 0 and not self._resident():
             source = Prefetcher(steps, self.prefetch)
         self._active = weakref.ref(source)
+        if self.placement is not None and not self._resident():
+            steps = copy_ahead(source, transfer_to(self.placement.device), lambda step: step.batch,
+                               lambda step, batch: step._replace(batch=batch))
+        else:
+            steps = source
         try:
-            for step in profile.timed(source, "data"):
+            for step in profile.timed(steps, "data"):
                 if self._data_check_pending:
                     self._check_same_data(step)
                 self._record(step)
@@ -290,17 +307,34 @@ class DistributedLoader:
             len(self._data), self.global_batch_size, seed=self.seed, epoch=epoch,
             shuffle=self.shuffle, drop_last=self.drop_last, start=consumed,
         )
+        if self._resident():
+            return self._resident_steps(plan)
         if self.num_workers > 0:
             return self._worker_steps(plan, epoch)
         return self._local_steps(plan)
+
+    def _resident(self) -> bool:
+        """Whether batches are gathered from a copy of the dataset kept on the device."""
+        return self.placement is not None and self.placement.resident is not None
 
     def _local_steps(self, plan: list[torch.Tensor]) -> Iterator[_Step]:
         """Fetch each share in this process."""
         for k, global_batch in enumerate(plan):
             share = local_share(global_batch, self.world_size, self.rank, self.granularity)
             batch = self._data.fetch(share) if len(share) else self._data.empty(int(global_batch[0]))
-            yield _Step(_pinned(batch) if self.pin_memory else batch, len(global_batch), len(share),
-                        k == len(plan) - 1)
+            yield _Step(map_tensors(batch, torch.Tensor.pin_memory) if self.pin_memory else batch,
+                        len(global_batch), len(share), k == len(plan) - 1)
+
+    def _resident_steps(self, plan: list[torch.Tensor]) -> Iterator[_Step]:
+        """Gather each share from the dataset kept on the device; the epoch's indices moved there at once."""
+        assert self.placement is not None and self.placement.resident is not None
+        data = self.placement.resident
+        shares = [local_share(global_batch, self.world_size, self.rank, self.granularity) for global_batch in plan]
+        if not shares:
+            return
+        on_device = torch.cat(shares).to(self.placement.device).split([len(share) for share in shares])
+        for k, (global_batch, share) in enumerate(zip(plan, on_device)):
+            yield _Step(data.fetch(share), len(global_batch), len(share), k == len(plan) - 1)
 
     def _worker_steps(self, plan: list[torch.Tensor], epoch: int) -> Iterator[_Step]:
         """Fetch each non-empty share in DataLoader worker processes, in order."""
@@ -501,17 +535,6 @@ class _Batches:
         return len(self.batches)
 
 
-def _pinned(batch: Any) -> Any:
-    """``batch`` with every tensor in page-locked memory (the copy to the GPU can then overlap)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pinned(part) for part in batch)
-    if isinstance(batch, dict):
-        return {key: _pinned(value) for key, value in batch.items()}
-    return batch
-
-
 def _check_workers(data: TensorData | MapData | None, num_workers: int, persistent: bool = False) -> None:
     """Worker processes are for map-style data: each would read a whole stream again."""
     if persistent and num_workers == 0:
@@ -530,7 +553,7 @@ def _wrap_dataset(dataset: Any, collate_fn: Callable[[list], Any] | None) -> Ten
         return None
     tensors = _as_tensors(dataset)
     if tensors is not None:
-        data = TensorData(tensors, single=not isinstance(dataset, tuple))
+        data = TensorData(tensors, single=not isinstance(dataset, (tuple, TensorDataset)))
         return data if collate_fn is None else MapData(data, collate_fn)
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ConfigurationError(
@@ -545,6 +568,8 @@ def _as_tensors(dataset: Any) -> tuple[torch.Tensor, ...] | None:
     arrays = (torch.Tensor, np.ndarray)
     if isinstance(dataset, arrays):
         items: tuple = (dataset,)
+    elif type(dataset) is TensorDataset:  # a subclass may change __getitem__; then it is read sample by sample
+        items = tuple(dataset.tensors)
     elif isinstance(dataset, tuple) and any(isinstance(item, arrays) for item in dataset):
         items = dataset
     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -43,12 +44,14 @@ _said_sampler_replaced = False  # the DistributedSampler warning is given once p
 def from_dataloader(loader: DataLoader, global_batch_size: int, *, seed: int | None = None,
                     micro_batch_size: int | None = None, rank: int | None = None, world_size: int | None = None,
                     check_same_data: bool = True,
-                    opt_out_hint: str = "pass check_same_data=False to from_dataloader(...)") -> DistributedLoader:
+                    opt_out_hint: str = "pass check_same_data=False to from_dataloader(...)",
+                    device: torch.device | str | None = None, data_on_device: bool | None = None) -> DistributedLoader:
     """The :class:`DistributedLoader` that loads ``loader``'s data as ``loader`` would, in global
     batches of ``global_batch_size`` shared among the workers (see the module's docstring).
 
     ``seed`` orders the epochs; ``None`` takes the seed of the loader's ``DistributedSampler``, if it
-    has one, else 0. ``check_same_data`` and ``opt_out_hint`` are :class:`DistributedLoader`'s.
+    has one, else 0. ``check_same_data``, ``opt_out_hint``, ``device`` and ``data_on_device`` are
+    :class:`DistributedLoader`'s.
     """
     streaming = isinstance(loader.dataset, IterableDataset)
     shuffle = False if streaming else _shuffles(loader)
@@ -58,7 +61,8 @@ def from_dataloader(loader: DataLoader, global_batch_size: int, *, seed: int | N
         num_workers=loader.num_workers, collate_fn=None if loader.collate_fn is default_collate else loader.collate_fn,
         prefetch=loader.prefetch_factor or 2, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size,
         check_same_data=check_same_data, opt_out_hint=opt_out_hint, pin_memory=loader.pin_memory,
-        persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn)
+        persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn, device=device,
+        data_on_device=data_on_device)
     _check_batch_size(loader.batch_size, global_batch_size, adopted.world_size)
     if sampler is not None:
         _say_sampler_replaced(sampler, adopted, seed, loader.batch_size)

@@ -26,6 +26,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.utils.deterministic
 from torch import nn
 
 from phalanx.comm import runtime
@@ -191,16 +192,22 @@ def _deterministic_kernels(threads: int | None) -> Iterator[None]:
 
     The thread count changes how CPU kernels block their sums, so forward and backward run with
     ``threads`` threads; nothing outside the step (the user's own code, other models) is affected.
+    Deterministic mode's filling of every new tensor with NaN (a debugging aid, one more write of
+    every activation: a kernel launch each on a GPU) is turned off: no result here reads memory it
+    did not write.
     """
     previous_threads = torch.get_num_threads()
     previous_mode = (torch.are_deterministic_algorithms_enabled(),
                      torch.is_deterministic_algorithms_warn_only_enabled())
+    previous_fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     if threads is not None and threads != previous_threads:
         torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     try:
         yield
     finally:
+        torch.utils.deterministic.fill_uninitialized_memory = previous_fill  # type: ignore[attr-defined]
         torch.use_deterministic_algorithms(previous_mode[0], warn_only=previous_mode[1])
         if torch.get_num_threads() != previous_threads:
             torch.set_num_threads(previous_threads)

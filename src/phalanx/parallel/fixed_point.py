@@ -89,6 +89,8 @@ class FixedPointBucket(Bucket):
     local_max: torch.Tensor  # each tensor's largest term on this rank, unscaled
     scales: list[float]
     scale_tensor: torch.Tensor
+    at_top: torch.Tensor  # per tensor: its exponent is MAX_EXPONENT (on the bucket's device)
+    used_flags: tuple[list[bool], torch.Tensor]  # the last ``used`` list sent, and it as a tensor on the device
     sum_views: list[torch.Tensor]
     payload: torch.Tensor
 
@@ -107,12 +109,21 @@ class FixedPointBucket(Bucket):
         bucket.streamed = [n >= STREAM_MIN_NUMEL for n in lengths]
         bucket.small_runs = _runs_of_small_tensors(lengths, bucket.streamed)
         bucket.local_max = torch.zeros(len(members), dtype=torch.float64, device=scaled.device)
+        bucket.used_flags = ([], bucket.local_max[:0])
         bucket.allocate_sums(0)
         return bucket
 
     def set_exponents(self, exponents: list[int]) -> None:
         self.scales = [2.0**e for e in exponents]
         self.scale_tensor = torch.tensor(self.scales, dtype=torch.float64, device=self.scaled.device)
+        self.at_top = torch.tensor([e == MAX_EXPONENT for e in exponents], device=self.scaled.device)
+
+    def used_tensor(self) -> torch.Tensor:
+        """``used`` as float64 on the device, copied there only when it changed (a copy from the host
+        makes a GPU's host wait for all queued work)."""
+        if self.used_flags[0] != self.used:
+            self.used_flags = (list(self.used), torch.tensor(self.used, dtype=torch.float64, device=self.scaled.device))
+        return self.used_flags[1]
 
     def allocate_sums(self, payload_numel: int) -> None:
         """A fresh, zeroed buffer for the sums, the trailer and ``payload_numel`` values of payload."""
@@ -277,8 +288,9 @@ class FixedPointSum:
             _scale_into(view, grad, scale)
         else:
             grad, view, sums = grad.reshape(-1), view.view(-1), bucket.sum_views[slot].view(-1)
-            for start in range(0, grad.numel(), QUANTISE_CHUNK):
-                chunk = slice(start, start + QUANTISE_CHUNK)
+            chunk_numel = QUANTISE_CHUNK if grad.device.type == "cpu" else grad.numel()  # a GPU has no L2 to fit
+            for start in range(0, grad.numel(), chunk_numel):
+                chunk = slice(start, start + chunk_numel)
                 sums[chunk].add_(_scale_into(view[chunk], grad[chunk], scale).round_(), alpha=self._samples)
 
     def complete(self, bucket: FixedPointBucket) -> None:  # type: ignore[override]
@@ -303,12 +315,13 @@ class FixedPointSum:
         """After the last micro-batch's wait: did the exponents hold? (Never in a calibrating pass.)"""
         if reduced:
             self._in_flight = False
-            self._held = not self._calibrate and all(self._held_in(bucket) for bucket in self._buckets)
+            self._held = not self._calibrate and bool(torch.stack([self._held_in(b) for b in self._buckets]).all())
 
-    def _held_in(self, bucket: FixedPointBucket) -> bool:
+    @staticmethod
+    def _held_in(bucket: FixedPointBucket) -> torch.Tensor:
+        """Whether the exponents held for every tensor of ``bucket`` (a tensor: one sync for all buckets)."""
         _, nonzero, big, over = bucket.trailer
-        at_top = (self.exponents[bucket.param_indices] == MAX_EXPONENT).to(over.device)
-        return bool(((over == 0) & ((big > 0) | (nonzero == 0) | at_top)).all())
+        return ((over == 0) & ((big > 0) | (nonzero == 0) | bucket.at_top)).all()
 
     def _write_trailer(self, bucket: FixedPointBucket) -> None:
         """Counters whose sums over ranks decide, on every rank alike, whether the exponents held.
@@ -318,7 +331,7 @@ class FixedPointSum:
         """
         terms = bucket.local_max.mul(bucket.scale_tensor)
         limit = 2.0**self._limit_bits
-        checks = torch.stack([torch.tensor(bucket.used, dtype=torch.float64, device=terms.device), terms > 0,
+        checks = torch.stack([bucket.used_tensor(), terms > 0,
                               terms >= limit / 2**SLACK_BITS, ~(terms <= limit)])  # NaN counts as over
         bucket.trailer.copy_(checks)
 
@@ -345,7 +358,11 @@ def _scale_into(out: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Te
 
 
 def _largest_entries(views: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's largest absolute entry (NaN if it holds one), in one pass over each."""
+    """Each tensor's largest absolute entry (NaN if it holds one), in one pass over each: on a GPU
+    one fused kernel for all (tests/test_cuda.py checks that it carries NaN), on a CPU each tensor's
+    min and max (the fused kernel is 10x slower there)."""
+    if views[0].is_cuda:
+        return torch.stack(torch._foreach_norm(list(views), math.inf))
     zero = torch.zeros((), dtype=views[0].dtype, device=views[0].device)
     extremes = [torch.aminmax(view) if view.numel() else (zero, zero) for view in views]
     smallest, largest = torch.stack([e[0] for e in extremes]), torch.stack([e[1] for e in extremes])

@@ -12,7 +12,7 @@ from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.strategies.base import Strategy
 from phalanx.train import horizon
-from phalanx.train.loop import Loop, loader_for
+from phalanx.train.loop import Loop, batch_device, loader_for
 from phalanx.train.lr import Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, resolve
 from phalanx.train.state import History
@@ -29,7 +29,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
         precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
         step_fn: Callable[..., StepResult] | None = None,
         verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None,
-        on_nonfinite: str = "raise") -> History:
+        on_nonfinite: str = "raise", data_on_device: bool | None = None) -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
     ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
@@ -73,6 +73,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     applied (``px.NonFiniteLossError``/``px.NonFiniteGradientError`` naming the step and the ranks),
     so no checkpoint ever holds non-finite weights; ``on_nonfinite="skip"`` skips such steps on
     every rank instead, ``"ignore"`` applies them (see :mod:`phalanx.train.finite`).
+    On a GPU, a dataset of tensors that takes at most half its free memory is kept there for the run
+    and batches are gathered on it (``data_on_device=None``, said in the plan line); other data, or
+    ``data_on_device=False``, is copied batch by batch on a side stream, one step ahead.
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
     """
     loop = Loop(model, optimizer, loss_fn, epochs=epochs, global_batch_size=global_batch_size, metrics=metrics,
@@ -80,7 +83,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
                 checkpoint_every=checkpoint_every, resume=resume, reproducible=reproducible,
                 micro_batch_size=micro_batch_size, accumulate_steps=accumulate_steps, precision=precision,
                 clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, step_fn=step_fn, verbose=verbose,
-                log_dir=log_dir, strategy=strategy, on_nonfinite=on_nonfinite)
+                log_dir=log_dir, strategy=strategy, on_nonfinite=on_nonfinite,
+                data_on_device=data_on_device)
     return loop.fit(train_data, val_data)
 
 
@@ -90,7 +94,7 @@ def evaluate(model: nn.Module, loss_fn: Callable[..., torch.Tensor], data: Any, 
     runtime.init()
     return evaluate_batches(model, lambda batch: loss_of(model, loss_fn, batch),
                             loader_for(data, global_batch_size, 0, shuffle=False, argument="data",
-                                       call="px.evaluate"), resolve(metrics), "")
+                                       call="px.evaluate", device=batch_device(None)), resolve(metrics), "")
 
 
 def steps_per_epoch(train_data: Any, *, global_batch_size: int) -> int:

@@ -35,6 +35,7 @@ class Plan:
     samples: int | None = None
     dataloader_batch_size: int | None = None  # the batch_size of a torch DataLoader that was given
     dataloader_length: int | None = None  # and its len(): batches of that size, not always steps
+    placement: str | None = None  # where batches are built on an accelerator, and why
 
     @property
     def total_steps(self) -> int | None:
@@ -53,9 +54,11 @@ class Plan:
                        else "each worker's share of the global batch")
             line += f"; the DataLoader's batch_size={self.dataloader_batch_size} is read as {reading}"
         if self.steps_per_epoch is None:
-            return line + f"; {self.epochs} epochs of unknown length"
-        return (line + f"; {self.steps_per_epoch} steps an epoch x {self.epochs} epochs = {self.total_steps} "
-                       "optimizer steps")
+            line += f"; {self.epochs} epochs of unknown length"
+        else:
+            line += (f"; {self.steps_per_epoch} steps an epoch x {self.epochs} epochs = {self.total_steps} "
+                     "optimizer steps")
+        return line if self.placement is None else f"{line}; {self.placement}"
 
 
 def plan_for(loader: DistributedLoader, epochs: int, given: object) -> Plan:
@@ -70,7 +73,8 @@ def plan_for(loader: DistributedLoader, epochs: int, given: object) -> Plan:
     except TypeError:
         dataloader_length = None
     return Plan(loader.global_batch_size, loader.world_size, epochs, steps, loader.num_samples,
-                dataloader.batch_size if dataloader is not None else None, dataloader_length)
+                dataloader.batch_size if dataloader is not None else None, dataloader_length,
+                loader.placement.reason if loader.placement is not None else None)
 
 
 def check_scheduler(scheduled: Scheduled | None, plan: Plan) -> None:

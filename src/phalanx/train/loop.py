@@ -75,7 +75,8 @@ class Loop:
                  reproducible: bool = False, micro_batch_size: int | None = None, accumulate_steps: int = 1,
                  precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  step_fn: Callable[..., StepResult] | None = None, verbose: int = 1,
-                 log_dir: str | Path | None = None, strategy: Strategy | None = None, on_nonfinite: str = "raise"):
+                 log_dir: str | Path | None = None, strategy: Strategy | None = None, on_nonfinite: str = "raise",
+                 data_on_device: bool | None = None):
         self.model, self.loss_fn, self.step_fn = model, loss_fn, step_fn
         self.several_optimizers = isinstance(optimizer, (list, tuple))
         self.optimizer = OptimizerGroup(optimizer) if self.several_optimizers else optimizer
@@ -92,6 +93,7 @@ class Loop:
         self.verbose, self.log_dir = verbose, log_dir
         self.strategy = strategy if strategy is not None else Replicated()
         self.on_nonfinite = finite.check_policy(on_nonfinite)
+        self.data_on_device = data_on_device
         self.plan: horizon.Plan | None = None
         self.state: TrainState | None = None
         self._manual = ManualStep(Precision(), None)
@@ -132,11 +134,13 @@ class Loop:
         self.strategy.check(self._fit_options(rates))
         options.check_one_meaning(self.model, train_data, self.global_batch_size, self.accumulate_steps)
         options.check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.callbacks)
+        device = batch_device(self.data_on_device)
         loader = loader_for(train_data, self.global_batch_size, self.data_seed, shuffle=True,
-                            micro_batch_size=self.micro_batch_size, argument="train_data")
+                            micro_batch_size=self.micro_batch_size, argument="train_data", device=device,
+                            data_on_device=self.data_on_device)
         val_loader = (None if val_data is None
                       else loader_for(val_data, self.global_batch_size, self.data_seed, shuffle=False,
-                                      argument="val_data"))
+                                      argument="val_data", device=device, data_on_device=self.data_on_device))
         options.check_not_empty(loader, "train_data")
         if val_loader is not None:
             options.check_not_empty(val_loader, "val_data")
@@ -402,23 +406,37 @@ def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None]) -> b
     return True
 
 
+def batch_device(data_on_device: bool | None) -> torch.device | None:
+    """The device a loader hands batches over on: this worker's accelerator, or ``None`` on the CPU
+    (where the data already is; ``data_on_device=True`` there is refused as meaningless)."""
+    device = runtime.device()
+    if device.type == "cpu":
+        if data_on_device:
+            raise ConfigurationError("data_on_device=True keeps the training data on this worker's accelerator, "
+                                     "but it trains on the CPU: drop data_on_device.")
+        return None
+    return device
+
+
 def loader_for(data: Any, global_batch_size: int, seed: int | None, shuffle: bool,
                micro_batch_size: int | None = None, argument: str = "train_data",
-               call: str = "px.fit") -> DistributedLoader:
+               call: str = "px.fit", device: torch.device | None = None,
+               data_on_device: bool | None = None) -> DistributedLoader:
     """``data`` as a :class:`DistributedLoader` (a DataLoader keeps its settings and gets phalanx's
-    sampler; ``seed=None`` takes its DistributedSampler's seed, else 0); batches for a GPU are pinned,
-    so that their copy to it runs asynchronously. A data-check error's advice names ``call``'s ``argument``."""
+    sampler; ``seed=None`` takes its DistributedSampler's seed, else 0) handing batches over on
+    ``device`` (kept there or copied one step ahead: ``data_on_device``); a loader given is used as
+    it is. A data-check error's advice names ``call``'s ``argument``."""
     dataloader = isinstance(data, torch.utils.data.DataLoader)
     micro = "" if micro_batch_size is None else f", micro_batch_size={micro_batch_size}"
     hint = (f"pass {argument}=px.data.{'from_dataloader' if dataloader else 'DistributedLoader'}({argument}, "
             f"global_batch_size{micro}, check_same_data=False) to {call}")
     if dataloader:
         return from_dataloader(data, global_batch_size, seed=seed, micro_batch_size=micro_batch_size,
-                               opt_out_hint=hint)
+                               opt_out_hint=hint, device=device, data_on_device=data_on_device)
     if not isinstance(data, DistributedLoader):
         return DistributedLoader(data, global_batch_size, shuffle=shuffle, seed=0 if seed is None else seed,
-                                 micro_batch_size=micro_batch_size, pin_memory=runtime.device().type == "cuda",
-                                 opt_out_hint=hint)
+                                 micro_batch_size=micro_batch_size, opt_out_hint=hint, device=device,
+                                 data_on_device=data_on_device)
     if micro_batch_size is not None and data.granularity != micro_batch_size:
         raise ConfigurationError(
             f"reproducible mode with micro_batch_size={micro_batch_size} needs a DistributedLoader built with "
