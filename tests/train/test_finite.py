@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.train import checkpoint_io
+from phalanx.train import checkpoint_io, finite
 from tests.harness import run_workers
 
 SAMPLES, GLOBAL_BATCH = 96, 16  # 6 steps an epoch
@@ -60,7 +60,9 @@ def _nan_on(rank: int, call: int, constant: bool = False):
     return loss_fn
 
 
-def _stop_at_nan(checkpoints: str, constant: bool) -> dict:
+def _stop_at_nan(checkpoints: str, constant: bool, late: bool = False) -> dict:
+    if late:  # as on a GPU: each step's verdict read when the next step is about to be applied
+        finite.reads_late = lambda device: True
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
@@ -90,6 +92,50 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_step(tmp_path: Path,
     for path in checkpoint_io.list_checkpoints(tmp_path):
         weights = torch.load(path, weights_only=True)["model"]
         assert all(torch.isfinite(tensor).all() for tensor in weights.values()), path
+
+
+def test_on_a_gpu_the_verdict_comes_a_step_late_and_no_checkpoint_holds_the_applied_step(tmp_path: Path) -> None:
+    """The same run as above, reading each verdict a step late (a GPU's way, forced here on the CPU):
+    every rank raises the same error naming the same step, at the next one, with the update applied."""
+    results = run_workers(_stop_at_nan, 2, str(tmp_path), False, True)
+    message = results[0]["message"]
+    assert message is not None and message == results[1]["message"], results
+    assert "global step 8 (epoch 1, its step 2" in message and "on rank 1" in message, message
+    assert "read one step late" in message and "update was applied" in message, message
+    assert results[0]["ranks"] == results[1]["ranks"] == [1]
+    first, second = results[0]["weights"], results[1]["weights"]
+    assert not torch.isfinite(first).all() and torch.equal(first.nan_to_num(), second.nan_to_num())
+    steps = [checkpoint_io.step_of(path) for path in checkpoint_io.list_checkpoints(tmp_path)]
+    assert steps and max(steps) == 8, steps
+    for path in checkpoint_io.list_checkpoints(tmp_path):
+        weights = torch.load(path, weights_only=True)["model"]
+        assert all(torch.isfinite(tensor).all() for tensor in weights.values()), path
+
+
+def _late_at_the_last_step() -> dict:
+    """A NaN in the epoch's last step, read late: decided at the epoch's end, before validation."""
+    finite.reads_late = lambda device: True
+    model, seen = _model(), []
+
+    class Seen(px.callbacks.Callback):
+        def on_epoch_begin(self, epoch, state) -> None:  # noqa: ANN001
+            seen.append(f"epoch {epoch}")
+
+        def on_epoch_end(self, epoch, logs, state) -> None:  # noqa: ANN001
+            seen.append(f"end of epoch {epoch}")
+
+    try:
+        px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _nan_on(rank=0, call=5), _data(), epochs=2,
+               global_batch_size=GLOBAL_BATCH, val_data=_data(), verbose=0, callbacks=[Seen()])
+    except px.NonFiniteLossError as error:
+        return {"message": str(error), "seen": seen}
+    return {"message": None, "seen": seen}
+
+
+def test_a_late_verdict_of_an_epochs_last_step_is_decided_at_its_end() -> None:
+    result = run_workers(_late_at_the_last_step, 1)[0]
+    assert result["message"] is not None and "global step 5 (epoch 0, its step 5" in result["message"], result
+    assert result["seen"] == ["epoch 0"]  # no validation, no epoch-end callbacks (checkpoints), no next epoch
 
 
 def _skip_marked(micro_batch_size: int) -> dict:

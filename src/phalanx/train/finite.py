@@ -15,6 +15,15 @@ before the step is applied, so the weights and checkpoints stay finite; ``"skip"
 on every rank (its samples do not count in the metrics), as the float16 scaler drops an overflow;
 ``"ignore"`` applies it, as phalanx did before.
 
+On a GPU, ``"raise"`` reads each step's verdict one step late (:meth:`NonFiniteGuard.settle`): the
+verdict is copied to the host as the GPU computes it, and read when the next step is about to be
+applied (or at the end of the epoch, before validation and the epoch's checkpoint), when it is long
+there. Reading it at once would make the host wait for the whole backward before launching
+anything more, which cost 27 % of a small CNN's step on an H100 (``benchmarks/RESULTS.md``). So on a
+GPU the run stops one step later, with that one non-finite update applied to the weights in memory;
+no checkpoint is written from them (:mod:`phalanx.train.checkpoint` refuses non-finite weights).
+``"skip"`` must decide before the step, so it waits, as on the CPU, where the wait costs nothing.
+
 Under ``precision="16-mixed"`` the float16 scaler keeps skipping non-finite steps as it always did
 (every rank alike, the scale halved each time): an overflow is normal there. The guard steps in
 only when skipping cannot help any more, once the scale has fallen below 1 (16 overflows in a row
@@ -41,6 +50,11 @@ AGREEMENTS = ("gradient", "collective", "local")
 logger = logging.getLogger(__name__)
 
 
+def reads_late(device: torch.device) -> bool:
+    """Whether a run on ``device`` reads each step's verdict one step late (a GPU: see the module)."""
+    return device.type == "cuda"
+
+
 def check_policy(policy: str) -> str:
     """``policy`` if it is one of :data:`POLICIES`; a clear error otherwise."""
     if policy not in POLICIES:
@@ -52,7 +66,7 @@ class NonFiniteGuard:
     """Decides, the same way on every rank, whether a step's losses and gradient let it be applied."""
 
     def __init__(self, policy: str = "raise", agreement: str = "gradient", precision: str = "32",
-                 clipping: Clipping | None = None):
+                 clipping: Clipping | None = None, late: bool = False):
         if agreement not in AGREEMENTS:
             raise ConfigurationError(f"a strategy's nonfinite_agreement must be one of {list(AGREEMENTS)}, got "
                                      f"{agreement!r}.")
@@ -62,6 +76,9 @@ class NonFiniteGuard:
         self.skipped = False  # whether the current step was skipped
         self.position = "a step"  # where the loop is, for messages
         self._bad_loss: torch.Tensor | None = None  # on this rank's device: any non-finite loss this step
+        # "raise" with every rank holding the same gradient reads the verdict a step late (see the module)
+        self.late = late and self.policy == "raise" and agreement == "gradient"
+        self._pending: _Verdict | None = None  # the last step's verdict, on its way to the host
 
     def begin_step(self, position: str) -> None:
         self.position, self.skipped, self._bad_loss = position, False, None
@@ -85,7 +102,11 @@ class NonFiniteGuard:
             return True
         if self.precision == "16-mixed":
             return True  # the scaler skips it, on every rank alike; see :meth:`after_overflow`
-        bad_loss, bad_gradient = self._local_flags(params)
+        if self.late:
+            self.settle()
+            self._pending = _Verdict(self.position, self._flags(params), self._bad_loss)
+            return True
+        bad_loss, bad_gradient = self._flags(params).tolist()
         if self.agreement == "collective":
             flags = collectives.allreduce(torch.tensor([float(bad_loss), float(bad_gradient)]), "max", check=False)
             bad_loss, bad_gradient = bool(flags[0] > 0), bool(flags[1] > 0)
@@ -94,14 +115,29 @@ class NonFiniteGuard:
         self.fail()
         return False
 
+    def settle(self) -> None:
+        """Decide the step whose verdict is still on its way (``late``): raise on every rank if it went
+        non-finite. Every rank settles at the same point of the loop, so they raise alike."""
+        pending, self._pending = self._pending, None
+        if pending is None or not pending.went_wrong():
+            return
+        self.position, self._bad_loss = pending.position, pending.bad_loss
+        self.fail(applied=True)
+
+    def forget_pending(self) -> None:
+        """Drop a verdict still on its way: the loop goes back to a committed state (elastic recovery),
+        and the steps after it run again, their losses and gradients checked afresh."""
+        self._pending = None
+
     def after_overflow(self, scale: float) -> None:
         """The float16 scaler skipped this step (on every rank) and its scale is now ``scale``: when it
         has fallen below 1, skipping no longer helps, and the run stops under ``"raise"``."""
         if self.policy == "raise" and scale < 1.0:
             self.fail(context=f"; the float16 scaler skipped step after step until its scale fell to {scale:g}")
 
-    def fail(self, cause: BaseException | None = None, context: str = "") -> None:
-        """The step went non-finite on some rank: raise (``"raise"``) or note the skip, the same on every rank."""
+    def fail(self, cause: BaseException | None = None, context: str = "", applied: bool = False) -> None:
+        """The step went non-finite on some rank: raise (``"raise"``) or note the skip, the same on every rank;
+        ``applied``: the verdict came a step late, after the step was applied."""
         ranks = self._ranks_with_bad_loss()
         where = self.position
         if self.policy == "skip":
@@ -111,12 +147,15 @@ class NonFiniteGuard:
                            "phalanx: skipped %s on every rank (on_nonfinite='skip'): %s", where, _what(ranks))
             return
         error = NonFiniteLossError if ranks else NonFiniteGradientError
-        raise error(f"{_what(ranks)} at {where}{context}; every rank stops here, before the step is applied, so "
-                    f"the weights (and every checkpoint) are the last finite ones. {self._advice(ranks)}",
-                    ranks=ranks) from cause
+        when = ("every rank stops at the next step: on a GPU the check is read one step late (waiting for it "
+                "would stall the GPU every step), so this step's update was applied to the weights in memory; "
+                "no checkpoint holds them, resume from the last one" if applied else
+                "every rank stops here, before the step is applied, so the weights (and every checkpoint) are "
+                "the last finite ones")
+        raise error(f"{_what(ranks)} at {where}{context}; {when}. {self._advice(ranks)}", ranks=ranks) from cause
 
-    def _local_flags(self, params: Iterable[torch.Tensor]) -> tuple[bool, bool]:
-        """(this rank saw a non-finite loss, the gradient it holds is not finite), with one device sync."""
+    def _flags(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """(this rank saw a non-finite loss, the gradient it holds is not finite), on the device."""
         grads = [_values(p.grad.detach()) for p in params if p.grad is not None and p.grad.numel()]
         if grads:  # each tensor's extremes: NaN or Inf exactly where it holds one
             bad_gradient = _extremes(grads).isfinite().all().logical_not()
@@ -124,8 +163,7 @@ class NonFiniteGuard:
             bad_gradient = torch.zeros((), dtype=torch.bool)
         bad_loss = (self._bad_loss.reshape(()).to(bad_gradient.device) if self._bad_loss is not None
                     else torch.zeros((), dtype=torch.bool, device=bad_gradient.device))
-        loss_flag, gradient_flag = torch.stack([bad_loss, bad_gradient]).tolist()
-        return bool(loss_flag), bool(gradient_flag)
+        return torch.stack([bad_loss, bad_gradient])
 
     def _ranks_with_bad_loss(self) -> list[int]:
         """The ranks that saw a non-finite loss this step (a collective, except for workers that never meet)."""
@@ -150,6 +188,26 @@ class NonFiniteGuard:
             tips.append(f"look for NaN or Inf in the inputs or targets of rank {ranks[0]}'s batch")
         tips.append("on_nonfinite='skip' skips such steps on every rank, on_nonfinite='ignore' trains on as before")
         return "What to do: " + "; ".join(tips) + "."
+
+
+class _Verdict:
+    """A step's flags on their way to the host: copied without waiting, read by :meth:`went_wrong`."""
+
+    def __init__(self, position: str, flags: torch.Tensor, bad_loss: torch.Tensor | None):
+        self.position, self.bad_loss = position, bad_loss
+        if flags.is_cuda:
+            self.flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.flags.copy_(flags, non_blocking=True)
+            self.copied: torch.cuda.Event | None = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.flags, self.copied = flags, None
+
+    def went_wrong(self) -> bool:
+        """Whether the loss or the gradient was non-finite (waits for the copy, long done by then)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return bool(self.flags.any())
 
 
 def _what(ranks: list[int]) -> str:

@@ -199,7 +199,7 @@ class Loop:
         self.model, self.optimizer = self.strategy.setup(self.model, self.optimizer)
         precision = Precision(self.precision, runtime.device())
         guard = finite.NonFiniteGuard(self.on_nonfinite, self.strategy.nonfinite_agreement, self.precision,
-                                      self.clipping)
+                                      self.clipping, late=finite.reads_late(runtime.device()))
         self._manual = ManualStep(precision, self.clipping, guard)
         micro = self.micro_batch_size
         return TrainState(self.model, self.optimizer, loader, self.epochs, seed=self.seed, metrics=self.metrics,
@@ -329,6 +329,7 @@ def _train_elastic(state: TrainState, hooks: Any, val_loader: Any, checkpoint_di
 
     def train(carried: elastic.State) -> bool:
         nonlocal begun
+        state.guard.forget_pending()  # back at a committed state: the steps after it are checked again
         if not carried.prepared:
             prepare()
             carried.prepared = True
@@ -377,7 +378,9 @@ def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[],
     hooks.on_epoch_begin(epoch, state)
     if state.step < state.steps_per_epoch:  # an elastic recovery can land after the last batch
         state.loader.set_epoch(epoch)
-        if not _train_steps(state, hooks, commit):
+        finished = _train_steps(state, hooks, commit)
+        state.guard.settle()  # a verdict still on its way (GPU) is decided before validation and checkpoints
+        if not finished:
             return None
     state.epoch, state.step = epoch + 1, 0
     return reduce_metrics(state.metrics)
