@@ -56,13 +56,19 @@ class WorkerSpec:
         return f"worker rank {self.rank}" if self.server is None else f"parameter server {self.server}"
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        """The worker's full environment: ``base`` plus the launcher's variables.
+        """The worker's full environment: ``base`` plus the launcher's variables."""
+        env = WorkerSpec.shared_environment(base)
+        env.update(self.variables)
+        return env
 
-        ``OMP_NUM_THREADS`` defaults to 1 so N workers do not oversubscribe the host's cores.
-        """
+    @staticmethod
+    def shared_environment(base: Mapping[str, str]) -> dict[str, str]:
+        """What every worker's environment holds before its own variables (the fork server's):
+        ``base`` with ``OMP_NUM_THREADS`` defaulting to 1, so N workers do not oversubscribe the cores,
+        and unbuffered output, so the launcher relays each line as it is written."""
         env = dict(base)
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(self.variables)
+        env["PYTHONUNBUFFERED"] = "1"
         return env
 
 
@@ -204,7 +210,7 @@ class LaunchConfig:
     def _common_variables(self, master_port: int) -> dict[str, str]:
         """What workers and parameter servers alike are told: the store, the node, the servers, the timeout."""
         variables = dict(PHALANX_NODE_RANK=str(self.node_rank), PHALANX_STORE_HOSTED="1",
-                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1",
+                         MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port),
                          PHALANX_INTERACTIVE="1" if sys.stdout.isatty() else "0",
                          PHALANX_SERVERS=str(self.num_servers), **{JOB_ENV: job_id()})
         if self.timeout_s is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import queue
 import signal
 import socket
@@ -32,6 +33,7 @@ from typing import IO, Any, Iterator, Sequence
 
 from phalanx.cli import secret as job_secret
 from phalanx.cli.config import LaunchConfig, WorkerSpec, job_id
+from phalanx.cli.forkserver import ForkServer
 from phalanx.cli.network import (DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S, JobBoard, bind_store, connect_store,
                                  host_store)
 from phalanx.cli.workers import (
@@ -79,9 +81,12 @@ class Supervisor:
         self._terminated = False
         self._aborting = False
         self._next_board_poll = 0.0
+        # Started first, so that its import of torch overlaps the launcher's own (for the store).
+        self.forks = ForkServer(WorkerSpec.shared_environment(os.environ))
 
     def run(self) -> LaunchResult:
         """Launch, supervise to the end, and say how it ended. Never leaves a worker running."""
+        self.forks.start()
         with self._stop_signals_handled(), self._rendezvous() as master_port:
             try:
                 self.start_workers(master_port)
@@ -95,6 +100,7 @@ class Supervisor:
                 self.leave_job()
                 for worker in self.workers:  # nothing held back is lost: what was not summed up shows now
                     worker.show_held()
+                self.forks.close()
         return result
 
     def start_workers(self, master_port: int) -> None:
@@ -108,7 +114,7 @@ class Supervisor:
         """Start one worker and watch it; it joins :attr:`workers` only once its process exists.
         The job's secret reaches it through its environment."""
         worker = Worker(dataclasses.replace(spec, variables={**spec.variables, SECRET_ENV: self.secret.hex()}))
-        worker.start(self.relay, self._exits.put)
+        worker.start(self.relay, self._exits.put, self.forks)
         self.workers.append(worker)
         return worker
 

@@ -7,6 +7,9 @@ the user's code does. The target runs as ``python TARGET`` would run it (``__mai
 model still references (``DistributedDataParallel`` does) to interpreter teardown, where Python
 stops Gloo's threads in a way that aborts the process (SIGABRT) in a good share of runs. Files
 left open are flushed first, so skipping teardown loses no output.
+
+A worker forked by the fork server (:mod:`phalanx.cli.forkserver`) imports this module and calls
+:func:`run` and :func:`finish` itself; importing it registers nothing.
 """
 
 import atexit
@@ -16,8 +19,8 @@ import sys
 _exit_code = 0
 
 
-def _end_process() -> None:
-    """Registered first, so it runs last: flush what is still open, then leave without teardown."""
+def finish(code: int) -> None:
+    """Flush what is still open, then end the process with ``code``, without interpreter teardown."""
     import gc
     import io
 
@@ -34,10 +37,16 @@ def _end_process() -> None:
                     obj.flush()
             except (OSError, ValueError):
                 pass
-    os._exit(_exit_code)
+    os._exit(code)
 
 
-atexit.register(_end_process)
+def _end_process() -> None:
+    """Registered first, so it runs last, after every exit handler of the script's."""
+    finish(_exit_code)
+
+
+if __name__ == "__main__":
+    atexit.register(_end_process)
 
 import runpy  # noqa: E402 - after the exit handler, so that it runs after every later one
 import traceback  # noqa: E402
@@ -69,7 +78,7 @@ def _report(error: BaseException) -> None:
         traceback.print_exception(error)
 
 
-def _run(argv: list[str]) -> int:
+def run(argv: list[str]) -> int:
     """Run ``[-m] TARGET ARGS...`` as ``__main__``; return the exit code ``python`` would give."""
     is_module = argv[0] == "-m"
     target = argv[1] if is_module else argv[0]
@@ -92,5 +101,5 @@ def _run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    _exit_code = _run(sys.argv[1:])
+    _exit_code = run(sys.argv[1:])
     sys.exit(_exit_code)

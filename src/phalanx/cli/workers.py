@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import contextlib
 import os
 import re
@@ -13,8 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import IO, Callable, Deque, Iterable, Sequence
 
-from phalanx.cli.config import WorkerSpec
+from phalanx.cli.config import WORKER_MAIN, WorkerSpec
+from phalanx.cli.forkserver import ForkedProcess, ForkServer
 from phalanx.lifetime import die_with_parent
+
+logger = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
 MAX_PENDING_LINE = 1 << 16
@@ -256,7 +260,7 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.stderr_tail: Deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.held = HeldTraceback()
         self.exited = threading.Event()
@@ -310,10 +314,12 @@ class Worker:
             return self.held.since
         return self.exited_at if code is not None else None
 
-    def start(self, relay: OutputRelay, on_exit: Callable[[Worker], None]) -> None:
-        """Start the process in its own session; relay its output; call ``on_exit`` from a thread when it ends."""
-        self.process = subprocess.Popen(
-            self.spec.command, env=self.spec.environment(os.environ), stdin=subprocess.DEVNULL,
+    def start(self, relay: OutputRelay, on_exit: Callable[[Worker], None], forks: ForkServer | None = None) -> None:
+        """Start the process in its own session (forked by ``forks`` where it can, else a fresh
+        ``python``); relay its output; call ``on_exit`` from a thread when it ends."""
+        environment = self.spec.environment(os.environ)
+        self.process = self._forked(forks, environment) or subprocess.Popen(
+            self.spec.command, env=environment, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=die_with_parent(os.getpid()),
         )
@@ -323,14 +329,27 @@ class Worker:
                         relay.start(self.label, self.process.stderr, "stderr", self.stderr_tail, self.held)]
         threading.Thread(target=self._wait, args=(on_exit,), name=f"phalanx-wait-{self.label}", daemon=True).start()
 
+    def _forked(self, forks: ForkServer | None, environment: dict[str, str]) -> ForkedProcess | None:
+        """The worker forked by ``forks``, or None where it cannot be (then it starts the old way)."""
+        command = self.spec.command
+        if forks is None or len(command) < 3 or command[1] != WORKER_MAIN or not forks.serves(environment):
+            return None
+        try:
+            return forks.spawn(command[2:], environment, os.getcwd())
+        except OSError as error:
+            logger.info("phalanx: %s started with python, not forked: %s", self.name, error)
+            return None
+
     def _wait(self, on_exit: Callable[[Worker], None]) -> None:
         assert self.process is not None
         self.process.wait()
+        # A forked worker was reaped by the fork server, which noted the time; otherwise it is now.
+        reaped_at = self.process.exited_at if isinstance(self.process, ForkedProcess) else None
         # The launcher owns what a worker leaves behind: processes it forked that still run in its
         # process group (its session) are killed with it, whatever its exit code. The group's id
         # cannot have been reused while any of them lives; with none left, this finds nobody.
         self.signal_group(signal.SIGKILL)
-        self.exited_at = time.monotonic()
+        self.exited_at = reaped_at if reaped_at is not None else time.monotonic()
         self.exited.set()
         on_exit(self)
 
