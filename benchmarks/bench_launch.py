@@ -5,9 +5,11 @@
 
 The script imports phalanx, joins the job (``px.init()``), passes one barrier and exits: what is
 measured is the launcher's own cost (starting workers, the rendezvous, shutting down), which every
-short job, test and ``phalanx tune`` trial pays. Each repetition runs both launchers, in an order
-rotated per repetition; reported are the median wall time of each and the median of the paired
-ratios phalanx / torchrun.
+short job, test and ``phalanx tune`` trial pays. Three launches: ``phalanx run`` (workers forked
+from its fork server, which imported torch once), ``phalanx run --no-fork-server`` (each worker a
+fresh python importing torch, as before the fork server) and ``torchrun`` (one import in its
+launcher, one in every worker). Each repetition runs all three, in an order rotated per repetition;
+reported are the median wall time of each and the medians of the paired ratios against torchrun.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ args = parser.parse_args()
 
 
 def commands(script: Path, workers: int) -> dict[str, list[str]]:
-    return {"phalanx run": [sys.executable, "-m", "phalanx", "run", "-n", str(workers), str(script)],
+    phalanx = [sys.executable, "-m", "phalanx", "run", "-n", str(workers)]
+    return {"phalanx run": [*phalanx, str(script)],
+            "phalanx run --no-fork-server": [*phalanx, "--no-fork-server", str(script)],
             "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
                          "--standalone", str(script)]}
 
@@ -51,19 +55,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         script = Path(folder) / "barrier.py"
         script.write_text(SCRIPT)
-        print("| workers | phalanx run (s) | torchrun (s) | phalanx / torchrun [min..max] |")
-        print("|---|---|---|---|")
+        print("| workers | phalanx run (s) | --no-fork-server (s) | torchrun (s) | phalanx run / torchrun "
+              "[min..max] | --no-fork-server / torchrun [min..max] |")
+        print("|---|---|---|---|---|---|")
         for workers in args.workers:
             variants = commands(script, workers)
             times: dict[str, list[float]] = {name: [] for name in variants}
             names = list(variants)
             for rep in range(args.reps):
-                for name in names[rep % 2:] + names[:rep % 2]:
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
                     times[name].append(seconds(variants[name]))
-            ratios = [a / b for a, b in zip(times["phalanx run"], times["torchrun"])]
-            print(f"| {workers} | {statistics.median(times['phalanx run']):.2f} | "
-                  f"{statistics.median(times['torchrun']):.2f} | {statistics.median(ratios):.2f}x "
-                  f"[{min(ratios):.2f}..{max(ratios):.2f}] |", flush=True)
+            cells = [f"{statistics.median(times[name]):.2f}" for name in names]
+            for name in names[:2]:
+                ratios = [a / b for a, b in zip(times[name], times["torchrun"])]
+                cells.append(f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}..{max(ratios):.2f}]")
+            print(f"| {workers} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

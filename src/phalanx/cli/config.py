@@ -93,6 +93,7 @@ class LaunchConfig:
     timeout_s: float | None = None
     grace_s: float = DEFAULT_GRACE_S
     prefix_output: bool = True
+    fork_server: bool = True  # workers forked from a process that imported torch once (cli/forkserver.py)
     max_nnodes: int | None = None
     min_workers: int | None = None
     heartbeat_timeout_s: float | None = None

@@ -27,8 +27,7 @@ from phalanx.cli.launcher import TAIL_WAIT_S, Supervisor
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
 from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit, error_line
 from phalanx.comm.environment import MEMBER_ENV
-from phalanx.comm.membership import START_TIMEOUT_S, Keys
-from phalanx.errors import AuthenticationError
+from phalanx.comm.membership import START_TIMEOUT_S, Keys, Statements
 
 MEMBER_COUNTER = Keys.PREFIX + "next_member"
 STOP_WAIT_S = 60.0  # after the job failed: how long survivors get to save a checkpoint and exit
@@ -45,7 +44,7 @@ class ElasticSupervisor(Supervisor):
         self.lost: list[Worker] = []
         self.job_failure: str | None = None
         self._killed: dict[int, str] = {}
-        self._forged: set[str] = set()  # store keys seen with a value that is not the coordinator's
+        self._statements: Statements | None = None  # what the coordinator stated, read with the job's secret
         self._stop_deadline: float | None = None
         self._final: LaunchResult | None = None
 
@@ -175,15 +174,10 @@ class ElasticSupervisor(Supervisor):
     def _sealed(self, key: str) -> str | None:
         """The coordinator's value at ``key``: None while absent, or when it does not carry the job's
         secret (someone else wrote it: warned once, ignored)."""
-        if not self.store.check([key]):
-            return None
-        try:
-            return self.secret.open(key, self.store.get(key))[0].decode()
-        except AuthenticationError:
-            if key not in self._forged:
-                self._forged.add(key)
-                self._say(f"phalanx run: warning: ignored {key} in the store: it does not carry the job's secret.")
-            return None
+        if self._statements is None or self._statements.store is not self.store:
+            self._statements = Statements(self.store, self.secret, share=True, on_forged=lambda forged: self._say(
+                f"phalanx run: warning: ignored {forged} in the store: it does not carry the job's secret."))
+        return self._statements.read(key)
 
     def _report_lost(self, worker: Worker) -> None:
         """Show its traceback (held back until now), then one line: how it ended, with what error."""

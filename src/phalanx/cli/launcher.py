@@ -82,11 +82,12 @@ class Supervisor:
         self._aborting = False
         self._next_board_poll = 0.0
         # Started first, so that its import of torch overlaps the launcher's own (for the store).
-        self.forks = ForkServer(WorkerSpec.shared_environment(os.environ))
+        self.forks = ForkServer(WorkerSpec.shared_environment(os.environ)) if config.fork_server else None
 
     def run(self) -> LaunchResult:
         """Launch, supervise to the end, and say how it ended. Never leaves a worker running."""
-        self.forks.start()
+        if self.forks is not None:
+            self.forks.start()
         with self._stop_signals_handled(), self._rendezvous() as master_port:
             try:
                 self.start_workers(master_port)
@@ -100,7 +101,8 @@ class Supervisor:
                 self.leave_job()
                 for worker in self.workers:  # nothing held back is lost: what was not summed up shows now
                     worker.show_held()
-                self.forks.close()
+                if self.forks is not None:
+                    self.forks.close()
         return result
 
     def start_workers(self, master_port: int) -> None:

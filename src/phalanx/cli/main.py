@@ -295,6 +295,7 @@ def config_from_args(namespace: argparse.Namespace, target_args: Sequence[str]) 
         timeout_s=namespace.timeout,
         grace_s=namespace.grace,
         prefix_output=not namespace.no_prefix,
+        fork_server=not namespace.no_fork_server,
         max_nnodes=max_nnodes,
         min_workers=namespace.min_workers,
         heartbeat_timeout_s=namespace.heartbeat_timeout,
@@ -420,6 +421,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> RunFlags:
     option("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
            help=f"after a failure, how long workers get between SIGTERM and SIGKILL (default {DEFAULT_GRACE_S:g})")
     option("--no-prefix", action="store_true", help="do not prefix output lines with the worker's [rank]")
+    option("--no-fork-server", action="store_true",
+           help="start each worker as a fresh python (each importing torch) instead of forking it from a "
+                "process that imported torch once")
     option("--device", default="auto", choices=DEVICES,
            help="what the workers train on: cuda (NCCL, a GPU per worker: more workers than GPUs is refused), "
                 "cpu (Gloo, even where GPUs are) or auto (default: GPUs when visible)")

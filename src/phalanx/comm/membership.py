@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from phalanx import faults
 from phalanx.comm import auth
@@ -81,11 +81,13 @@ class Statements:
     a connection of its own (a store client is not shared across threads), unless ``share`` says
     that the caller's thread owns ``store`` (then what it writes there and here stays in order)."""
 
-    def __init__(self, store: Any, secret: auth.JobSecret, share: bool = False):
+    def __init__(self, store: Any, secret: auth.JobSecret, share: bool = False,
+                 on_forged: Callable[[str], None] | None = None):
         self.store, self.secret = (store if share else store.clone()), secret
         if not share:  # a shared store keeps its owner's timeout
             self.store.set_timeout(datetime.timedelta(seconds=STATEMENT_READ_TIMEOUT_S))
         self._warned: set[str] = set()
+        self._on_forged = on_forged if on_forged is not None else _log_forged
 
     def state(self, key: str, value: str = "1") -> None:
         self.store.set(key, self.secret.seal(key, value))
@@ -99,8 +101,7 @@ class Statements:
         except AuthenticationError:
             if key not in self._warned:
                 self._warned.add(key)
-                logger.warning("phalanx elastic: ignoring the value at %s: it does not carry the job's secret "
-                               "(someone without it wrote there)", key)
+                self._on_forged(key)
         except (RuntimeError, OSError):  # deleted between check and get
             pass
         return None
@@ -300,3 +301,9 @@ def shutdown_sockets(sockets: dict[str, int]) -> None:
             pass
         finally:
             sock.close()
+
+
+def _log_forged(key: str) -> None:
+    """How a value without the secret is reported, unless the reader says otherwise (once per key)."""
+    logger.warning("phalanx elastic: ignoring the value at %s: it does not carry the job's secret "
+                   "(someone without it wrote there)", key)
