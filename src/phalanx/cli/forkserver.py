@@ -36,6 +36,7 @@ first reads those times, recorded when each worker exited.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -169,6 +170,8 @@ class ForkServer:
     def close(self) -> None:
         """Stop the server (its workers were stopped by the launcher before)."""
         if self._socket is not None:
+            with contextlib.suppress(OSError):  # wakes the reader thread's recv, and tells the server to end
+                self._socket.shutdown(socket.SHUT_RDWR)
             self._socket.close()
         if self._process is not None:
             try:
@@ -369,3 +372,4 @@ def _reseed() -> None:
 
 if __name__ == "__main__":
     serve(socket.socket(fileno=int(sys.argv[1])))
+    os._exit(0)  # nothing to flush or tear down: the interpreter's teardown of torch alone takes a second here
