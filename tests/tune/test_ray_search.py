@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.tune.test_search import HERE, rows, tune_command, write_space
 
 SPACE = {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}}
 
 
+@pytest.mark.timeout(480)  # its own bounds: 60 s for the interrupted search, 400 for the resumed one
 def test_a_search_on_ray_runs_two_trials_at_a_time_prunes_resumes_and_writes_its_results(
         ray_cluster: dict[str, str], tmp_path: Path) -> None:
     space = write_space(tmp_path, SPACE)
