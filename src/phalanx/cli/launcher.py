@@ -88,21 +88,23 @@ class Supervisor:
         """Launch, supervise to the end, and say how it ended. Never leaves a worker running."""
         if self.forks is not None:
             self.forks.start()
-        with self._stop_signals_handled(), self._rendezvous() as master_port:
-            try:
-                self.start_workers(master_port)
-                self._serve_store()
-                result = self.watch()
-            finally:
-                from phalanx.comm.shm import remove_job_segments  # with torch, loaded once the workers run
+        try:
+            with self._stop_signals_handled(), self._rendezvous() as master_port:
+                try:
+                    self.start_workers(master_port)
+                    self._serve_store()
+                    result = self.watch()
+                finally:
+                    from phalanx.comm.shm import remove_job_segments  # with torch, loaded once the workers run
 
-                self.terminate_all()
-                remove_job_segments(job_id())  # a worker killed before its segment was unlinked
-                self.leave_job()
-                for worker in self.workers:  # nothing held back is lost: what was not summed up shows now
-                    worker.show_held()
-                if self.forks is not None:
-                    self.forks.close()
+                    self.terminate_all()
+                    remove_job_segments(job_id())  # a worker killed before its segment was unlinked
+                    self.leave_job()
+                    for worker in self.workers:  # nothing held back is lost: what was not summed up shows now
+                        worker.show_held()
+        finally:  # also when the launch failed before any worker (a rendezvous refused, say)
+            if self.forks is not None:
+                self.forks.close()
         return result
 
     def start_workers(self, master_port: int) -> None:

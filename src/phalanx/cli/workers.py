@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import collections
-import logging
 import contextlib
+import logging
 import os
 import re
 import signal
