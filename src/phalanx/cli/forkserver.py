@@ -60,7 +60,7 @@ READY_TIMEOUT_S = 120.0  # the server's imports, on a host busy with other jobs
 POLL_S = 0.1
 _MESSAGE_BYTES = 1 << 20
 #: Read when an interpreter or a library loads: a forked child cannot take a new value of these.
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH_", "PHALANX_FORK")
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH_")
 
 
 def startup_variables_differ(wanted: Mapping[str, str], server: Mapping[str, str]) -> list[str]:
@@ -128,7 +128,7 @@ class ForkServer:
 
     def serves(self, environment: Mapping[str, str]) -> bool:
         """Whether a worker with ``environment`` can be forked (waits for the server to be ready);
-        when not, the reason is logged (once per reason) and the caller starts it the old way."""
+        when not, the reason is logged and the caller starts it the old way."""
         if self.refused is None and self._socket is not None and not self._ready.wait(READY_TIMEOUT_S):
             self._refuse(f"the fork server was not ready after {READY_TIMEOUT_S:.0f} s")
         if self.refused is not None:
