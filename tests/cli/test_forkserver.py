@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -61,36 +62,36 @@ def test_workers_are_forked_warm_and_inherit_nothing_of_the_server(tmp_path: Pat
     assert done.returncode == 3 and "rank 1" in done.stderr, done.stderr  # its sys.exit(3), as with python
 
 
-def test_a_worker_is_forked_in_well_under_a_fifth_of_a_second(tmp_path: Path) -> None:
-    forks = ForkServer(WorkerSpec.shared_environment(worker_env()))
-    forks.start()
+@pytest.fixture
+def forks() -> Iterator[ForkServer]:
+    """A started fork server with the environment a launch gives it, ready to serve."""
+    server = ForkServer(WorkerSpec.shared_environment(worker_env()))
+    server.start()
     try:
-        assert forks.serves(forks.environment)
-        script = write_script(tmp_path, "quick.py", "import time, torch\nprint(time.monotonic())\n")
-        started = time.monotonic()
-        process = forks.spawn([str(script)], forks.environment, str(tmp_path))
-        printed = float(process.stdout.read().decode().strip())
-        assert process.wait(30) == 0 and process.exited_at is not None
-        assert printed - started < 0.2, printed - started  # its script runs, torch already imported
-        assert started < process.exited_at <= time.monotonic()  # recorded when the server reaped it
+        assert server.serves(server.environment)
+        yield server
     finally:
-        forks.close()
+        server.close()
 
 
-def test_a_killed_worker_is_reported_killed_at_the_time_it_died(tmp_path: Path) -> None:
-    forks = ForkServer(WorkerSpec.shared_environment(worker_env()))
-    forks.start()
-    try:
-        assert forks.serves(forks.environment)
-        script = write_script(tmp_path, "sleeps.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-        process = forks.spawn([str(script)], forks.environment, str(tmp_path))
-        assert process.stdout.readline() == b"up\n"
-        killed_at = time.monotonic()
-        os.killpg(process.pid, signal.SIGKILL)  # its own session: the launcher stops a group
-        assert process.wait(30) == -signal.SIGKILL
-        assert process.exited_at is not None and process.exited_at - killed_at < 1.0
-    finally:
-        forks.close()
+def test_a_worker_is_forked_in_well_under_a_fifth_of_a_second(tmp_path: Path, forks: ForkServer) -> None:
+    script = write_script(tmp_path, "quick.py", "import time, torch\nprint(time.monotonic())\n")
+    started = time.monotonic()
+    process = forks.spawn([str(script)], forks.environment, str(tmp_path))
+    printed = float(process.stdout.read().decode().strip())
+    assert process.wait(30) == 0 and process.exited_at is not None
+    assert printed - started < 0.2, printed - started  # its script runs, torch already imported
+    assert started < process.exited_at <= time.monotonic()  # recorded when the server reaped it
+
+
+def test_a_killed_worker_is_reported_killed_at_the_time_it_died(tmp_path: Path, forks: ForkServer) -> None:
+    script = write_script(tmp_path, "sleeps.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    process = forks.spawn([str(script)], forks.environment, str(tmp_path))
+    assert process.stdout.readline() == b"up\n"
+    killed_at = time.monotonic()
+    os.killpg(process.pid, signal.SIGKILL)  # its own session: the launcher stops a group
+    assert process.wait(30) == -signal.SIGKILL
+    assert process.exited_at is not None and process.exited_at - killed_at < 1.0
 
 
 def test_start_up_settings_that_differ_make_a_worker_start_the_old_way(caplog: pytest.LogCaptureFixture) -> None:

@@ -311,14 +311,14 @@ def _fork(request: dict, fds: list[int]) -> int:
 
         traceback.print_exc()
         code = 1
-    from phalanx.cli.worker_main import finish
+    from phalanx.cli.worker_main import end
 
-    finish(code)
+    end(code)  # the script's threads and exit handlers, then out without teardown
 
 
 def _become_worker(request: dict, fds: list[int], parent: int) -> int:
     """The child's side: a fresh session, its own output and environment, fresh random state; then
-    the script, run as worker_main runs it; returns its exit code once threads and atexit are done."""
+    the script, run as worker_main runs it; returns its exit code."""
     os.setsid()
     die_with_parent(parent)()
     signal.set_wakeup_fd(-1)
@@ -339,15 +339,7 @@ def _become_worker(request: dict, fds: list[int], parent: int) -> int:
             stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
     from phalanx.cli import worker_main
 
-    code = worker_main.run(request["argv"])
-    # As the interpreter ends: wait for the script's non-daemon threads, then run the exit handlers.
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    import atexit
-
-    atexit._run_exitfuncs()
-    return code
+    return worker_main.run(request["argv"])
 
 
 def _max_fd() -> int:

@@ -9,8 +9,6 @@ script) gets a one-line hint with the command meant.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import os
 import re
 import shlex
@@ -102,12 +100,9 @@ def entry() -> None:
     """The ``phalanx`` command (and ``python -m phalanx``): :func:`main`, then the exit handlers, and
     an exit that skips the interpreter's teardown, which with torch imported took a second here:
     every job ended a second after its last worker."""
-    code = main()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
+    from phalanx.cli.worker_main import end
+
+    end(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import runtime
+from phalanx.data._batch import map_tensors
 from phalanx.errors import ConfigurationError, NonFiniteGradientError
 from phalanx.parallel.clipping import Clipping
 from phalanx.train.finite import NonFiniteGuard
@@ -253,11 +254,7 @@ def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
 
 
 def to_device(batch: Any) -> Any:
-    """``batch`` with every tensor on this worker's device (copied asynchronously from pinned memory)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(runtime.device(), non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(part) for part in batch)
-    if isinstance(batch, dict):
-        return {key: to_device(value) for key, value in batch.items()}
-    return batch
+    """``batch`` with every tensor on this worker's device (copied asynchronously from pinned memory;
+    a batch already there, as the loader hands it over on a GPU, is left as it is)."""
+    device = runtime.device()
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
