@@ -29,11 +29,13 @@ WHAT_A_WORKER_SEES = """\
     import numpy as np
     import torch
     seen = {
+        "own": open("/proc/self/cmdline").read().split("\\0"),
         "parent": open(f"/proc/{os.getppid()}/cmdline").read().split("\\0"),
+        "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),
         "threads": len(os.listdir("/proc/self/task")),
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "draws": [random.random(), float(np.random.rand()), torch.rand(1).item()],
-        "cuda": torch.cuda.is_initialized(),
+        "cuda": torch.cuda.is_initialized(), "intra_op": torch.get_num_threads(),
         "rank": os.environ["RANK"], "cwd": os.getcwd(), "argv": sys.argv, "name": __name__,
     }
     print("SEEN " + json.dumps(seen))
@@ -52,7 +54,10 @@ def test_workers_are_forked_warm_and_inherit_nothing_of_the_server(tmp_path: Pat
             seen[report["rank"]] = report
     assert set(seen) == {"0", "1"}, done.stdout + done.stderr
     for rank, report in seen.items():
-        assert "phalanx.cli.forkserver" in report["parent"], report  # forked, not a fresh python
+        # forked by a server that was itself forked from the launcher: no fresh python in between
+        assert report["own"] == report["parent"] and report["parent"][2:4] == ["phalanx", "run"], report
+        assert report["parent_threads"] == 1, report  # the server: single-threaded, as it checked
+        assert report["intra_op"] == 1, report  # OMP_NUM_THREADS=1 was set before the launcher loaded torch
         assert report["threads"] == 1 and report["fds"] == [0, 1, 2, 3], report  # 3: listdir's own
         assert not report["cuda"] and report["cwd"] == str(tmp_path) and report["name"] == "__main__"
         assert report["argv"] == [str(script), "an-argument"]
@@ -82,6 +87,14 @@ def test_a_worker_is_forked_in_well_under_a_fifth_of_a_second(tmp_path: Path, fo
     assert process.wait(30) == 0 and process.exited_at is not None
     assert printed - started < 0.2, printed - started  # its script runs, torch already imported
     assert started < process.exited_at <= time.monotonic()  # recorded when the server reaped it
+
+
+def test_a_process_that_imported_torch_before_starts_a_fresh_server(tmp_path: Path, forks: ForkServer) -> None:
+    # this test's process imported torch under its own OpenMP settings: forking it would pass those on
+    script = write_script(tmp_path, "parent.py", "import os\nprint(open(f'/proc/{os.getppid()}/cmdline').read())\n")
+    process = forks.spawn([str(script)], forks.environment, str(tmp_path))
+    assert process.wait(30) == 0
+    assert "phalanx.cli.forkserver" in process.stdout.read().decode()
 
 
 def test_a_killed_worker_is_reported_killed_at_the_time_it_died(tmp_path: Path, forks: ForkServer) -> None:

@@ -1,21 +1,27 @@
 """Workers forked from a process that has imported PyTorch and phalanx once: a fork server.
 
-A worker started with ``python`` spends about 1.5 s of CPU importing PyTorch before its script
+A worker started with ``python`` spends 1.5 to 3 s of CPU importing PyTorch before its script
 runs; every worker of a job, every elastic replacement and every parameter server paid it again.
-``phalanx run`` instead starts one server process per launch, which imports torch and phalanx (and
-nothing else happens in it), and asks it for each worker: the server forks, and the child runs the
-script as :mod:`phalanx.cli.worker_main` would, already warm.
+``phalanx run`` instead has one server process per launch, which has imported torch and phalanx (and
+in which nothing else happens), and asks it for each worker: the server forks, and the child runs
+the script as :mod:`phalanx.cli.worker_main` would, already warm. The launcher needs torch itself
+(it hosts the rendezvous store), so it imports torch first and forks the server from itself before
+it starts any thread: a launch pays one import of torch in all, where torchrun pays one per worker
+and one more in its launcher. Where that fork cannot be made (torch already loaded, threads
+running) the server is a fresh ``python`` importing torch itself.
 
 What a worker may not inherit, and how that is made sure:
 
 * **Threads.** ``fork`` copies only the calling thread; a lock held by another one would stay
-  held forever in the child. The server runs no thread of its own and runs no torch operation
+  held forever in the child. The launcher forks the server only while it runs no other thread; the
+  server runs no thread of its own and runs no torch operation
   (which could start intra-op or OpenMP pools); before announcing itself ready it checks that the
   kernel lists exactly one thread for it, and refuses to serve otherwise.
 * **A CUDA context.** CUDA cannot be used in a forked child once its parent initialised it. The
   server never touches CUDA; it checks ``torch.cuda.is_initialized()`` is false before it serves.
-* **Open files and sockets.** The child closes every descriptor but the three standard ones
-  (which it points at its own pipes and ``/dev/null``) before the script starts.
+* **Open files and sockets.** The server forked from the launcher keeps only its channel to it;
+  each worker closes every descriptor but the three standard ones (which it points at its own
+  pipes and ``/dev/null``) before the script starts.
 * **Random state.** torch's default generator, Python's ``random`` and NumPy's global generator
   are seeded from the OS at import, so forked children would draw the same numbers; each child
   reseeds all three from the OS, as a fresh interpreter would (``torch.seed()``, which reaches the
@@ -103,7 +109,7 @@ class ForkServer:
     def __init__(self, environment: Mapping[str, str]):
         self.environment = dict(environment)
         self.refused: str | None = None  # why it does not serve, once known
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | _ForkedServer | None = None
         self._socket: socket.socket | None = None
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -113,18 +119,42 @@ class ForkServer:
         self._early_exits: dict[int, tuple[int, float]] = {}  # reaped before spawn() registered them
 
     def start(self) -> None:
-        """Start the server process (it imports torch and phalanx); returns at once."""
+        """Start the server and return at once (it finishes its imports meanwhile).
+
+        A launcher that has not imported torch yet imports it here (it needs torch for its store
+        anyway) and forks the server from itself, before it starts any thread: the job pays one
+        import of torch in all. Elsewhere (torch already loaded with other start-up settings, other
+        threads running) the server is a fresh ``python`` that imports torch itself.
+        """
         if not hasattr(os, "fork"):
             self.refused = "this platform has no fork()"
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "phalanx.cli.forkserver", str(theirs.fileno())], env=self.environment,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
-            preexec_fn=die_with_parent(os.getpid()))
+        why_not_here = self._why_not_fork_this_process()
+        if why_not_here is None:
+            self._process = _ForkedServer.start(theirs, ours)
+        else:
+            logger.debug("phalanx: the fork server is a fresh python: %s", why_not_here)
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "phalanx.cli.forkserver", str(theirs.fileno())], env=self.environment,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                preexec_fn=die_with_parent(os.getpid()))
         theirs.close()
         self._socket = ours
         threading.Thread(target=self._read, name="phalanx-forkserver", daemon=True).start()
+
+    def _why_not_fork_this_process(self) -> str | None:
+        """Why this process cannot become the server by a fork, or ``None`` once it has imported
+        what a worker imports, under the server's start-up settings (OpenMP reads its variables
+        when torch loads it, so they are set first)."""
+        if "torch" in sys.modules:
+            return "torch was imported before, with this process's own start-up settings"
+        if _threads_of_this_process() != 1:
+            return "this process runs threads"
+        os.environ.update({name: value for name, value in self.environment.items()
+                           if name.startswith(STARTUP_PREFIXES) and not name.startswith("PYTHON")})
+        _import_what_workers_import()
+        return _why_not_serving()
 
     def serves(self, environment: Mapping[str, str]) -> bool:
         """Whether a worker with ``environment`` can be forked (waits for the server to be ready);
@@ -223,6 +253,48 @@ class ForkServer:
 
 
 
+class _ForkedServer:
+    """The server forked from the launcher: waited for and killed as a ``Popen`` would be."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    @classmethod
+    def start(cls, channel: socket.socket, launchers_end: socket.socket) -> _ForkedServer:
+        """Fork; the child serves on ``channel`` and never returns."""
+        parent = os.getpid()
+        pid = os.fork()
+        if pid:
+            return cls(pid)
+        try:
+            launchers_end.close()
+            die_with_parent(parent)()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (workers reset it)
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            keep = channel.fileno()
+            os.closerange(3, keep)
+            os.closerange(keep + 1, _max_fd())
+            serve(channel)
+        finally:
+            os._exit(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG if deadline is not None else 0)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------------
@@ -248,6 +320,13 @@ def _why_not_serving() -> str | None:
     return None
 
 
+def _import_what_workers_import() -> None:
+    import torch  # noqa: F401 - what every worker would import: the point of the server
+
+    import phalanx  # noqa: F401
+    import phalanx.cli.worker_main  # noqa: F401 - imported, not run: it registers nothing at import
+
+
 def _send(channel: socket.socket, message: dict) -> None:
     channel.send(json.dumps(message).encode())
 
@@ -255,11 +334,7 @@ def _send(channel: socket.socket, message: dict) -> None:
 def serve(channel: socket.socket) -> None:
     """Import torch and phalanx, check nothing leaks into a fork, then fork workers on request and
     report each one's exit, until the launcher closes the channel."""
-    import torch  # noqa: F401 - what every worker would import: the point of the server
-
-    import phalanx  # noqa: F401
-    import phalanx.cli.worker_main  # noqa: F401 - imported, not run: it registers nothing at import
-
+    _import_what_workers_import()
     reason = _why_not_serving()
     _send(channel, {"ready": reason is None, **({"reason": reason} if reason else {})})
     if reason is not None:
