@@ -66,6 +66,14 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def import_everything() -> None:
+    """Import every module behind ``px``'s names now, rather than at first use: what a fork server
+    does once, so that no forked worker imports them again (their optional dependencies, such as
+    Ray, still load only where used)."""
+    for module in (*_MODULES, *_SUBMODULES.values()):
+        importlib.import_module(module)
+
+
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 

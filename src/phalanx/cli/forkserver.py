@@ -43,6 +43,7 @@ first reads those times, recorded when each worker exited.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -53,9 +54,11 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+import phalanx
 from phalanx.lifetime import die_with_parent
 
 __all__ = ["ForkServer", "ForkedProcess", "startup_variables_differ"]
@@ -327,14 +330,32 @@ def _import_what_workers_import() -> None:
     import phalanx.cli.worker_main  # noqa: F401 - imported, not run: it registers nothing at import
 
 
+def _keep_import_time_finalizers_from_workers() -> None:
+    """Clean-ups that the imports registered to run at exit (torch's operator libraries, ~0.1 s
+    each worker) belong to the server, which owns what they clean: a worker's exit skips them."""
+    for candidate in gc.get_objects():
+        if type(candidate) is weakref.finalize:
+            candidate.atexit = False
+
+
 def _send(channel: socket.socket, message: dict) -> None:
     channel.send(json.dumps(message).encode())
 
 
 def serve(channel: socket.socket) -> None:
-    """Import torch and phalanx, check nothing leaks into a fork, then fork workers on request and
+    """Import what workers import, check nothing leaks into a fork, then fork workers on request and
     report each one's exit, until the launcher closes the channel."""
     _import_what_workers_import()
+    # What workers load at first use, loaded once here while the launcher goes on with its own work:
+    # phalanx's modules, and TorchDynamo, which a script's first optimizer loads (torch._disable_dynamo):
+    # 1.5 s or more of CPU that each worker would pay again.
+    import torch._dynamo  # noqa: F401
+
+    phalanx.import_everything()
+    _keep_import_time_finalizers_from_workers()
+    # Everything loaded so far lives as long as the server: frozen, the workers' garbage collections
+    # never walk it (nor copy the pages they would touch: a fork shares them until written).
+    gc.freeze()
     reason = _why_not_serving()
     _send(channel, {"ready": reason is None, **({"reason": reason} if reason else {})})
     if reason is not None:
