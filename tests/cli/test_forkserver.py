@@ -25,7 +25,9 @@ from tests.cli.test_launcher import run_phalanx, worker_env, write_script
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc are Linux's here")
 
 WHAT_A_WORKER_SEES = """\
-    import json, os, random, sys, threading
+    import gc, json, os, random, sys, threading
+    preloaded = "torch._dynamo" in sys.modules and "phalanx.train.loop" in sys.modules
+    collected = len(gc.get_objects())
     import numpy as np
     import torch
     seen = {
@@ -36,6 +38,7 @@ WHAT_A_WORKER_SEES = """\
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "draws": [random.random(), float(np.random.rand()), torch.rand(1).item()],
         "cuda": torch.cuda.is_initialized(), "intra_op": torch.get_num_threads(),
+        "preloaded": preloaded, "collected": collected,
         "rank": os.environ["RANK"], "cwd": os.getcwd(), "argv": sys.argv, "name": __name__,
     }
     print("SEEN " + json.dumps(seen))
@@ -58,6 +61,9 @@ def test_workers_are_forked_warm_and_inherit_nothing_of_the_server(tmp_path: Pat
         assert report["own"] == report["parent"] and report["parent"][2:4] == ["phalanx", "run"], report
         assert report["parent_threads"] == 1, report  # the server: single-threaded, as it checked
         assert report["intra_op"] == 1, report  # OMP_NUM_THREADS=1 was set before the launcher loaded torch
+        assert report["preloaded"], report  # what a training script loads is loaded already
+        # the server's ~300,000 objects are frozen: a worker's collections (and its exit) never walk them
+        assert report["collected"] < 30_000, report
         assert report["threads"] == 1 and report["fds"] == [0, 1, 2, 3], report  # 3: listdir's own
         assert not report["cuda"] and report["cwd"] == str(tmp_path) and report["name"] == "__main__"
         assert report["argv"] == [str(script), "an-argument"]
