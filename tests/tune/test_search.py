@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import os
@@ -170,3 +171,36 @@ def test_the_search_fails_only_when_no_trial_reported_its_metric() -> None:
     assert "they reported accuracy, val_loss." in unreported_metric(study, "loss")
     study.add_trial(optuna.trial.create_trial(value=0.5, user_attrs={CURVE_ATTR: {"1": {"loss": 0.5}}}))
     assert unreported_metric(study, "loss") is None
+
+
+WARM_TRIAL = """\
+import os, sys
+def ancestry(pid, levels):  # the command lines of this process and its parents
+    lines = []
+    for _ in range(levels):
+        lines.append(open(f"/proc/{pid}/cmdline").read().split("\\0")[:4])
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    return lines
+start = {"dynamo": "torch._dynamo" in sys.modules, "ancestry": ancestry(os.getpid(), 5)}
+import phalanx as px
+px.tune.params(x=0.0)
+print("START", start, flush=True)
+px.tune.report(1, loss=1.0)
+"""
+
+
+def test_trials_start_warm_forked_from_the_search_without_importing_torch_again(tmp_path: Path) -> None:
+    (tmp_path / "warm.py").write_text(WARM_TRIAL)
+    space = write_space(tmp_path, {"x": {"type": "float", "low": 0, "high": 1}})
+    done = tune(tmp_path, "-j", "2", "--space", space, "--trials", "3", "--metric", "loss", "--pruner", "none",
+                str(tmp_path / "warm.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in rows(tmp_path / "tune-warm"):
+        line = next(line for line in Path(row["log"]).read_text().splitlines() if "START" in line)
+        start = ast.literal_eval(line.split("START ", 1)[1])
+        # worker <- its launch's server <- its launcher <- the search's server: forked, never a fresh python
+        # (all four show that server's command line; the search forks it from itself where it can)
+        worker, server, launcher, search_server, above = start["ancestry"]
+        assert worker == server == launcher == search_server, start["ancestry"]
+        assert ["phalanx", "tune"] in (search_server[2:4], above[2:4]), start["ancestry"]
+        assert start["dynamo"], start  # and it found TorchDynamo loaded

@@ -72,6 +72,17 @@ _MESSAGE_BYTES = 1 << 20
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH_")
 
 
+#: The start-up settings (``OMP_*``, ...) under which this process, or the server it was forked
+#: from, loaded torch to fork workers; ``None`` where torch was not loaded for that.
+_loaded_under: dict[str, str] | None = None
+
+
+def _library_settings(environment: Mapping[str, str]) -> dict[str, str]:
+    """The start-up variables that libraries read when they load (``PYTHON*`` are the interpreter's)."""
+    return {name: value for name, value in environment.items()
+            if name.startswith(STARTUP_PREFIXES) and not name.startswith("PYTHON")}
+
+
 def startup_variables_differ(wanted: Mapping[str, str], server: Mapping[str, str]) -> list[str]:
     """The start-up variables (:data:`STARTUP_PREFIXES`) whose values differ between two environments."""
     names = {name for name in (*wanted, *server) if name.startswith(STARTUP_PREFIXES)}
@@ -87,14 +98,17 @@ class ForkedProcess:
     """A worker forked by the server: what the launcher needs of a ``subprocess.Popen``, plus
     ``exited_at``, the monotonic time at which the server reaped it."""
 
-    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]):
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None):
         self.pid, self.stdout, self.stderr = pid, stdout, stderr
         self.returncode: int | None = None
         self.exited_at: float | None = None
         self._exited = threading.Event()
 
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._exited.wait(timeout)
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code once it has exited; raises ``subprocess.TimeoutExpired`` after ``timeout``."""
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
         return self.returncode
 
     def poll(self) -> int | None:
@@ -149,14 +163,18 @@ class ForkServer:
     def _why_not_fork_this_process(self) -> str | None:
         """Why this process cannot become the server by a fork, or ``None`` once it has imported
         what a worker imports, under the server's start-up settings (OpenMP reads its variables
-        when torch loads it, so they are set first)."""
-        if "torch" in sys.modules:
-            return "torch was imported before, with this process's own start-up settings"
+        when torch loads it, so they are set first). A process forked warm from a server (a trial's
+        launcher under ``phalanx tune``) has them already, and imports nothing."""
+        global _loaded_under
+        wanted = _library_settings(self.environment)
+        if "torch" in sys.modules and _loaded_under != wanted:
+            return "torch was imported before, under other start-up settings than the workers'"
         if _threads_of_this_process() != 1:
             return "this process runs threads"
-        os.environ.update({name: value for name, value in self.environment.items()
-                           if name.startswith(STARTUP_PREFIXES) and not name.startswith("PYTHON")})
-        _import_what_workers_import()
+        if "torch" not in sys.modules:
+            os.environ.update(wanted)
+            _import_what_workers_import()
+            _loaded_under = wanted
         return _why_not_serving()
 
     def serves(self, environment: Mapping[str, str]) -> bool:
@@ -172,32 +190,35 @@ class ForkServer:
                         "and they take effect only when a process starts", ", ".join(differ))
         return not differ
 
-    def spawn(self, argv: Sequence[str], environment: Mapping[str, str], cwd: str) -> ForkedProcess:
-        """Fork a worker running ``worker_main``'s ``argv`` with ``environment`` in ``cwd``; its
-        stdout and stderr come back as pipes, like ``Popen(..., stdout=PIPE, stderr=PIPE)``'s."""
+    def spawn(self, argv: Sequence[str], environment: Mapping[str, str], cwd: str,
+              output: int | None = None) -> ForkedProcess:
+        """Fork a process running ``worker_main``'s ``argv`` (a script, or ``-m`` and a module) with
+        ``environment`` in ``cwd``. Its stdout and stderr come back as pipes, like ``Popen(...,
+        stdout=PIPE, stderr=PIPE)``'s, or both go to the descriptor ``output`` (a log file)."""
         assert self._socket is not None
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
+        pipes = [os.pipe(), os.pipe()] if output is None else []
+        ends = [write for _, write in pipes] if output is None else [output, output]
         request = json.dumps({"argv": list(argv), "env": dict(environment), "cwd": cwd}).encode()
         try:
             with self._lock, self._reply:
-                socket.send_fds(self._socket, [request], [out_write, err_write])
+                socket.send_fds(self._socket, [request], ends)
                 while not self._replies and self.refused is None:
                     self._reply.wait(POLL_S)
                 if self.refused is not None and not self._replies:
                     raise OSError(f"the fork server stopped: {self.refused}")
                 pid = self._replies.pop(0)
-                process = ForkedProcess(pid, open(out_read, "rb"), open(err_read, "rb"))
+                process = ForkedProcess(pid, *(open(read, "rb") for read, _ in pipes)) if pipes \
+                    else ForkedProcess(pid, None, None)
                 self._processes[pid] = process
                 if pid in self._early_exits:
                     process._ended(*self._early_exits.pop(pid))
         except BaseException:
-            os.close(out_read)
-            os.close(err_read)
+            for read, _ in pipes:
+                os.close(read)
             raise
         finally:
-            os.close(out_write)
-            os.close(err_write)
+            for _, write in pipes:
+                os.close(write)
         return process
 
     def close(self) -> None:
@@ -345,6 +366,9 @@ def _send(channel: socket.socket, message: dict) -> None:
 def serve(channel: socket.socket) -> None:
     """Import what workers import, check nothing leaks into a fork, then fork workers on request and
     report each one's exit, until the launcher closes the channel."""
+    global _loaded_under
+    if _loaded_under is None:  # a fresh server: torch loads now, under its environment, the workers'
+        _loaded_under = _library_settings(os.environ)
     _import_what_workers_import()
     # What workers load at first use, loaded once here while the launcher goes on with its own work:
     # phalanx's modules, and TorchDynamo, which a script's first optimizer loads (torch._disable_dynamo):

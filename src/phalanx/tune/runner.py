@@ -1,7 +1,9 @@
 """Running the trials of a search: J at a time, each a ``phalanx run -n P`` job in its own folder.
 
 Each trial runs the user's script under the launcher with the trial's id in its environment
-(see :mod:`phalanx.tune.trial`); its output goes to ``log.txt`` in its folder. When the job ends,
+(see :mod:`phalanx.tune.trial`); its output goes to ``log.txt`` in its folder. How a trial's launcher
+starts is injected (:data:`StartTrial`): ``phalanx tune`` forks them warm from one fork server for
+the whole search, and a fresh ``python`` (:func:`start_with_python`) serves where it cannot. When the job ends,
 the runner tells the study how: pruned (the script was told to stop), complete (the value is the
 metric's last report), or failed with the tail of its log. Trials that end normally without ever
 reporting the metric suggest a misspelt ``--metric``: after a few of them, and none reporting it,
@@ -19,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import optuna
 from optuna.trial import TrialState
@@ -36,6 +38,26 @@ LAUNCH_KEYS = ("PHALANX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE
 logger = logging.getLogger(__name__)
 
 
+class TrialProcess(Protocol):
+    """A started trial launcher, as much of a ``subprocess.Popen`` as the runner uses."""
+
+    pid: int
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+StartTrial = Callable[[list[str], dict[str, str], Path, int], TrialProcess]
+"""Starts one trial's launcher: its ``phalanx`` arguments (``run -n P ...``), environment, folder and
+the descriptor its output goes to; in a session of its own, ended when the search ends."""
+
+
+def start_with_python(arguments: list[str], env: dict[str, str], folder: Path, output: int) -> TrialProcess:
+    """A trial's launcher as a fresh ``python -m phalanx``, which imports torch itself."""
+    return subprocess.Popen([sys.executable, "-m", "phalanx", *arguments], cwd=folder, env=env, stdout=output,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent(os.getpid()))  # a killed search stops its trials
+
+
 @dataclass(frozen=True)
 class Job:
     """How every trial is launched: ``phalanx run -n workers [launcher_args] script args``."""
@@ -50,13 +72,15 @@ class Runner:
     """Runs trials of ``study`` until ``search.trials`` of them count, ``jobs`` at a time."""
 
     def __init__(self, search: Search, study: optuna.Study, job: Job, jobs: int, directory: Path,
-                 timeout_s: float | None = None, out: Callable[[str], None] | None = None):
+                 timeout_s: float | None = None, out: Callable[[str], None] | None = None,
+                 start: StartTrial = start_with_python):
         self.search, self.study, self.job, self.jobs, self.directory = search, study, job, jobs, directory
+        self.start = start
         self.deadline = time.monotonic() + timeout_s if timeout_s else None
         self.say = out or (lambda line: print(line, flush=True))
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._processes: dict[int, subprocess.Popen[bytes]] = {}  # trial id -> its launcher
+        self._processes: dict[int, TrialProcess] = {}  # trial id -> its launcher
         self._gave_up = False  # said that the metric looks wrong
 
     def run(self) -> None:
@@ -102,15 +126,12 @@ class Runner:
     def _launch(self, trial: optuna.Trial) -> int:
         folder = self.directory / "trials" / f"{trial.number:04d}"
         folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "phalanx", "run", "-n", str(self.job.workers), *self.job.launcher_args,
-                   str(self.job.script), *self.job.args]
+        arguments = ["run", "-n", str(self.job.workers), *self.job.launcher_args, str(self.job.script), *self.job.args]
         env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_KEYS)}
         env.update({STORAGE_ENV: self.search.storage, STUDY_ENV: self.search.name, TRIAL_ENV: str(trial._trial_id),
                     METRIC_ENV: self.search.metric, PRUNER_ENV: self.search.pruner})
         with open(folder / "log.txt", "wb") as log:
-            process = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=die_with_parent(os.getpid()))  # a killed search stops its trials
+            process = self.start(arguments, env, folder, log.fileno())
             with self._lock:
                 self._processes[trial._trial_id] = process
             code = process.wait()
