@@ -127,12 +127,13 @@ def test_forged_heartbeats_and_bumped_generation_counters_decide_nothing(tmp_pat
                 store.add(Keys.broken(generation), 1)
                 store.add(Keys.signal(generation), 1)
             time.sleep(0.2)
+        (tmp_path / "attacks-done").touch()
         started = time.monotonic()
         out, err = node0.communicate(timeout=90)
     finally:
         node0.kill()
     assert node0.returncode == 0, err
-    assert "result 2 120.0" in out, out  # 60 allreduces of ones over 2 workers, in one generation throughout
+    assert "result 2 undisturbed" in out, out  # every allreduce summed 2 workers' ones, in one generation throughout
     assert "declared dead" not in err and "re-formed" not in err + out, err
     assert err.count("ignoring the value at phalanx/elastic/heartbeat/1") == 1, err
     assert len(err.splitlines()) < 40 and "Broken pipe" not in err, err

@@ -178,7 +178,7 @@ import os, sys
 def ancestry(pid, levels):  # the command lines of this process and its parents
     lines = []
     for _ in range(levels):
-        lines.append(open(f"/proc/{pid}/cmdline").read().split("\\0")[:4])
+        lines.append(open(f"/proc/{pid}/cmdline").read().split("\\0"))
         pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     return lines
 start = {"dynamo": "torch._dynamo" in sys.modules, "ancestry": ancestry(os.getpid(), 5)}

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import logging
 import os
@@ -123,8 +124,12 @@ class ForkServer:
     """The launcher's handle on its fork server: :meth:`start` it early (its imports overlap the
     launcher's own work), then :meth:`spawn` workers; :meth:`close` at the end of the launch."""
 
-    def __init__(self, environment: Mapping[str, str]):
+    def __init__(self, environment: Mapping[str, str], preload: Sequence[str] = ()):
         self.environment = dict(environment)
+        #: modules the server loads beyond torch and phalanx, shared by every fork (``phalanx tune``'s
+        #: server loads TorchDynamo, which each trial's first optimizer loads); a launch's own server
+        #: loads nothing more, so that a script that never needs them is not kept waiting
+        self.preload = tuple(preload)
         self.refused: str | None = None  # why it does not serve, once known
         self._process: subprocess.Popen[bytes] | _ForkedServer | None = None
         self._socket: socket.socket | None = None
@@ -149,11 +154,12 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         why_not_here = self._why_not_fork_this_process()
         if why_not_here is None:
-            self._process = _ForkedServer.start(theirs, ours)
+            self._process = _ForkedServer.start(theirs, ours, self.preload)
         else:
             logger.debug("phalanx: the fork server is a fresh python: %s", why_not_here)
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "phalanx.cli.forkserver", str(theirs.fileno())], env=self.environment,
+                [sys.executable, "-m", "phalanx.cli.forkserver", str(theirs.fileno()), *self.preload],
+                env=self.environment,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                 preexec_fn=die_with_parent(os.getpid()))
         theirs.close()
@@ -284,7 +290,7 @@ class _ForkedServer:
         self.pid = pid
 
     @classmethod
-    def start(cls, channel: socket.socket, launchers_end: socket.socket) -> _ForkedServer:
+    def start(cls, channel: socket.socket, launchers_end: socket.socket, preload: Sequence[str]) -> _ForkedServer:
         """Fork; the child serves on ``channel`` and never returns."""
         parent = os.getpid()
         pid = os.fork()
@@ -300,7 +306,7 @@ class _ForkedServer:
             keep = channel.fileno()
             os.closerange(3, keep)
             os.closerange(keep + 1, _max_fd())
-            serve(channel)
+            serve(channel, preload)
         finally:
             os._exit(0)
 
@@ -363,19 +369,17 @@ def _send(channel: socket.socket, message: dict) -> None:
     channel.send(json.dumps(message).encode())
 
 
-def serve(channel: socket.socket) -> None:
+def serve(channel: socket.socket, preload: Sequence[str] = ()) -> None:
     """Import what workers import, check nothing leaks into a fork, then fork workers on request and
     report each one's exit, until the launcher closes the channel."""
     global _loaded_under
     if _loaded_under is None:  # a fresh server: torch loads now, under its environment, the workers'
         _loaded_under = _library_settings(os.environ)
     _import_what_workers_import()
-    # What workers load at first use, loaded once here while the launcher goes on with its own work:
-    # phalanx's modules, and TorchDynamo, which a script's first optimizer loads (torch._disable_dynamo):
-    # 1.5 s or more of CPU that each worker would pay again.
-    import torch._dynamo  # noqa: F401
-
+    # What workers load at first use, loaded once here while the launcher goes on with its own work
     phalanx.import_everything()
+    for module in preload:
+        importlib.import_module(module)
     _keep_import_time_finalizers_from_workers()
     # Everything loaded so far lives as long as the server: frozen, the workers' garbage collections
     # never walk it (nor copy the pages they would touch: a fork shares them until written).
@@ -483,5 +487,9 @@ def _reseed() -> None:
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    # served by the module as imported, not by this copy run as __main__: the state that forks inherit
+    # (what torch was loaded under) must be where a forked launcher's phalanx code looks for it
+    from phalanx.cli import forkserver
+
+    forkserver.serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
     os._exit(0)  # nothing to flush or tear down: the interpreter's teardown of torch alone takes a second here
