@@ -44,7 +44,13 @@ def gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the ``cuda`` tests where no GPU is visible; the others run the same everywhere."""
+    """Skip the ``cuda`` tests where no GPU is visible; the others run the same everywhere. Under
+    pytest-xdist (``-n N --dist loadgroup``), the tests on the session's Ray cluster share one worker,
+    which starts that cluster once."""
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if "ray_cluster" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group("ray"))
     cuda = [item for item in items if item.get_closest_marker("cuda")]
     if cuda and gpu_count() == 0:
         for item in cuda:
