@@ -285,6 +285,26 @@ def test_stop_signal_stops_every_worker(tmp_path: Path, signum: int) -> None:
     assert_all_gone(pids)
 
 
+def test_ctrl_c_at_a_terminal_stops_the_workers_through_the_launcher(tmp_path: Path) -> None:
+    # a terminal's Ctrl-C reaches the launcher's whole process group, its fork server included: the
+    # server must leave stopping the workers to the launcher, not take them down with it (SIGKILL)
+    script = write_script(tmp_path, "sleep.py", "import signal, sys\n"
+                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(print('stopped by SIGTERM', flush=True)))\n"
+                          + textwrap.dedent(SLEEP))
+    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        pids = read_pids(tmp_path, 2)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT and "received SIGINT" in stderr, stderr
+    assert stdout.count("stopped by SIGTERM") == 2, stdout + stderr  # stopped by the launcher, not killed
+    assert_all_gone(pids)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 def test_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
     script = write_script(tmp_path, "sleep.py", SLEEP)

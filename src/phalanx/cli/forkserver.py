@@ -121,8 +121,8 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The launcher's handle on its fork server: :meth:`start` it early (its imports overlap the
-    launcher's own work), then :meth:`spawn` workers; :meth:`close` at the end of the launch."""
+    """The launcher's handle on its fork server: :meth:`start` it first, before the launcher starts
+    any thread, then :meth:`spawn` workers; :meth:`close` at the end of the launch."""
 
     def __init__(self, environment: Mapping[str, str], preload: Sequence[str] = ()):
         self.environment = dict(environment)
@@ -282,7 +282,6 @@ class ForkServer:
                 process._ended(-signal.SIGKILL, time.monotonic())
 
 
-
 class _ForkedServer:
     """The server forked from the launcher: waited for and killed as a ``Popen`` would be."""
 
@@ -299,7 +298,6 @@ class _ForkedServer:
         try:
             launchers_end.close()
             die_with_parent(parent)()
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (workers reset it)
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, 0)
             os.dup2(null, 1)
@@ -311,13 +309,15 @@ class _ForkedServer:
             os._exit(0)
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is None:
+            return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        deadline = time.monotonic() + timeout
         while True:
-            pid, status = os.waitpid(self.pid, os.WNOHANG if deadline is not None else 0)
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
             time.sleep(0.01)
 
     def kill(self) -> None:
@@ -353,7 +353,6 @@ def _why_not_serving() -> str | None:
 def _import_what_workers_import() -> None:
     import torch  # noqa: F401 - what every worker would import: the point of the server
 
-    import phalanx  # noqa: F401
     import phalanx.cli.worker_main  # noqa: F401 - imported, not run: it registers nothing at import
 
 
@@ -373,6 +372,9 @@ def serve(channel: socket.socket, preload: Sequence[str] = ()) -> None:
     """Import what workers import, check nothing leaks into a fork, then fork workers on request and
     report each one's exit, until the launcher closes the channel."""
     global _loaded_under
+    # Ctrl-C at a terminal reaches the whole process group: stopping the workers is the owner's to do
+    # (a server that died of it would take them down at once, with SIGKILL); each worker resets it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if _loaded_under is None:  # a fresh server: torch loads now, under its environment, the workers'
         _loaded_under = _library_settings(os.environ)
     _import_what_workers_import()

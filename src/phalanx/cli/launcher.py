@@ -81,7 +81,7 @@ class Supervisor:
         self._terminated = False
         self._aborting = False
         self._next_board_poll = 0.0
-        # Started first, so that its import of torch overlaps the launcher's own (for the store).
+        # Started first, while the launcher runs one thread: it forks the server from itself.
         self.forks = ForkServer(WorkerSpec.shared_environment(os.environ)) if config.fork_server else None
 
     def run(self) -> LaunchResult:
