@@ -66,6 +66,19 @@ def refuses(communicator: object) -> bool:
     return False
 
 
+def hold(path: str, generation: int, timeout: float = 60.0) -> None:
+    """Wait for the test's file; when a joiner wrote it, also until the coordinator asks this generation
+    to end for it, so that it joins at the next commit whatever the load."""
+    from phalanx.comm import runtime
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if os.path.exists(path) and open(path).read() == "join":
+        while runtime.generation_ending(generation) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -73,11 +86,14 @@ def main() -> None:
     parser.add_argument("--progress", required=True)
     parser.add_argument("--step-sleep", type=float, default=0.03)
     parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-file to exist")
-    parser.add_argument("--hold-file", default=None, help="a joiner creates it just before asking to join")
+    parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE",
+                        help="after STEP, wait for FILE to exist (and, when a joiner wrote it, for its admission)")
+    parser.add_argument("--started-file", default=None,
+                        help="created once this worker started: 'join' when it is about to ask to join, else 'founder'")
     parser.add_argument("--freeze-rank", type=int, default=-1, help="this rank stops itself (SIGSTOP) just "
                         "before its first step, after the job formed")
     args = parser.parse_args()
+    holds = {int(step): path for step, path in (hold.split(":", 1) for hold in args.hold)}
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
         handle.write(str(os.getpid()))
 
@@ -93,8 +109,10 @@ def main() -> None:
                           checkpoint_path=args.checkpoint)
     changes: list[dict] = []
     communicators = [px.communicator()]  # one per generation seen: each earlier one must refuse to be used
-    if args.hold_file and elastic.membership() is None:  # started after the job did: about to ask to join
-        open(args.hold_file, "w").close()
+    if args.started_file:
+        with open(args.started_file + ".tmp", "w") as handle:  # membership None: started after the job did
+            handle.write("join" if elastic.membership() is None else "founder")
+        os.replace(args.started_file + ".tmp", args.started_file)
 
     @elastic.run
     def train(state: elastic.State) -> int:
@@ -113,15 +131,12 @@ def main() -> None:
                                     "step": state.step, "lost": list(view.lost), "joined": list(view.joined),
                                     "stale_refused": refuses(communicators[-1]) if changes else None})
                     communicators.append(px.communicator())
-                if state.step == args.hold_at:  # the test's joiner: let it start before the job ends
-                    deadline = time.monotonic() + 60
-                    while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
-                        time.sleep(0.02)
-                    time.sleep(0.3)  # its request reaches the coordinator meanwhile
                 if px.rank() == 0:
                     with open(args.progress + ".tmp", "w") as handle:
                         handle.write(f"{state.step} {view.generation} {view.size}")
                     os.replace(args.progress + ".tmp", args.progress)
+                if state.step in holds:
+                    hold(holds[state.step], view.generation)
         return state.step
 
     if px.rank() == args.freeze_rank:

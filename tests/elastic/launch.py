@@ -78,8 +78,15 @@ class Launch:
 
     def step(self) -> int:
         """The last step rank 0 committed (0 before the first)."""
+        return self._progress(0)
+
+    def size(self) -> int:
+        """The number of workers at rank 0's last commit (0 before the first)."""
+        return self._progress(2)
+
+    def _progress(self, field: int) -> int:
         try:
-            return int(self.progress.read_text().split()[0])
+            return int(self.progress.read_text().split()[field])
         except (OSError, ValueError, IndexError):
             return 0
 
