@@ -17,6 +17,7 @@ import pytest
 
 from tests.cli.test_launcher import phalanx_command, worker_env
 from tests.conftest import gpu_count, gpu_environment
+from tests import warm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -27,8 +28,8 @@ def run_check(tmp_path: Path, check: str, *launch: str, device: str = "cuda", ti
     """The figures of ``check`` (several, separated by commas: a dict by name) run by one job."""
     out = tmp_path / "figures.json"
     env = gpu_environment(worker_env()) if device == "cuda" else worker_env()
-    done = subprocess.run(phalanx_command("--timeout", "120", "--device", device, *launch, JOB, check, str(out)),
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    done = warm.run(phalanx_command("--timeout", "120", "--device", device, *launch, JOB, check, str(out)),
+                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())
     return figures if "," in check else figures[check]
@@ -100,7 +101,7 @@ def test_the_horovod_api_trains_on_the_gpu(tmp_path: Path) -> None:
 @cuda
 def test_more_workers_than_gpus_is_refused_before_the_rendezvous(tmp_path: Path) -> None:
     env = gpu_environment(worker_env())
-    done = subprocess.run(phalanx_command("--timeout", "300", "-n", str(gpu_count() + 1), JOB, "fit", "x.json"),
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    done = warm.run(phalanx_command("--timeout", "300", "-n", str(gpu_count() + 1), JOB, "fit", "x.json"),
+                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and f"but {gpu_count()} GPU" in done.stderr, done.stderr
     assert "--device cpu" in done.stderr and os.environ["CUDA_VISIBLE_DEVICES"] == ""

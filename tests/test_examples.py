@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import warm
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -21,16 +23,16 @@ def accuracy(output: str) -> float:
 
 
 def test_custom_loop_trains_on_two_workers(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(EXAMPLES / "custom_loop.py")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = warm.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(EXAMPLES / "custom_loop.py")],
+                    capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert accuracy(done.stdout) > 90, done.stdout
 
 
 def test_the_open_loop_example_reaches_its_accuracy_on_two_workers(tmp_path: Path) -> None:
     """A DataLoader, two optimizers, bf16, clipping, OneCycleLR and a step of its own, together."""
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(EXAMPLES / "open_loop.py")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = warm.run([sys.executable, "-m", "phalanx", "run", "-n", "2", str(EXAMPLES / "open_loop.py")],
+                    capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert accuracy(done.stdout) >= 95, done.stdout
 
@@ -40,7 +42,7 @@ def _quickstart(folder: Path, workers: int, script: Path = EXAMPLES / "quickstar
     command = [sys.executable, str(script)] if workers == 1 else \
         [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--no-prefix", str(script)]
     folder.mkdir()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=folder)
+    done = warm.run(command, capture_output=True, text=True, timeout=120, cwd=folder)
     assert done.returncode == 0, done.stdout + done.stderr
     return re.sub(r"  \([\d.]+s\)", "", done.stdout)
 

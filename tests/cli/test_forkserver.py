@@ -20,7 +20,7 @@ import pytest
 from phalanx.cli.config import LaunchConfig, WorkerSpec
 from phalanx.cli.forkserver import ForkServer, _why_not_serving, startup_variables_differ
 from phalanx.cli.workers import OutputRelay, Worker
-from tests.cli.test_launcher import run_phalanx, worker_env, write_script
+from tests.cli.test_launcher import LAUNCH_TIMEOUT_S, phalanx_command, worker_env, write_script
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc are Linux's here")
 
@@ -49,7 +49,9 @@ WHAT_A_WORKER_SEES = """\
 
 def test_workers_are_forked_warm_and_inherit_nothing_of_the_server(tmp_path: Path) -> None:
     script = write_script(tmp_path, "sees.py", WHAT_A_WORKER_SEES)
-    done = run_phalanx("-n", "2", str(script), "an-argument", cwd=tmp_path)
+    # started from a shell, as a user starts it (the other launcher tests fork theirs warm: tests/warm.py)
+    done = subprocess.run(phalanx_command("-n", "2", str(script), "an-argument"), cwd=tmp_path, env=worker_env(),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     seen = {}
     for line in done.stdout.splitlines():
         if "SEEN " in line:

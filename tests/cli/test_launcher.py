@@ -24,6 +24,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.lifetime import is_alive
 from phalanx.cli.workers import describe_exit, exit_code_of, split_lines
 from phalanx.cli.main import build_parser, main, split_run_argv
+from tests import warm
 
 LAUNCH_TIMEOUT_S = 60
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the launcher uses POSIX process groups")
@@ -57,9 +58,9 @@ def run_on_hosts(hosts: list[str], common: list[str], target: list[str], cwd: Pa
 
 
 def run_phalanx(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the launcher to completion; ``subprocess.run`` kills it if it overruns the timeout."""
-    return subprocess.run(phalanx_command(*args), cwd=cwd, env=env or worker_env(), capture_output=True,
-                          text=True, timeout=LAUNCH_TIMEOUT_S)
+    """Run the launcher to completion (forked warm); killed if it overruns the timeout."""
+    return warm.run(phalanx_command(*args), cwd=cwd, env=env or worker_env(), capture_output=True,
+                    text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
 def write_script(directory: Path, name: str, body: str) -> Path:
@@ -272,8 +273,8 @@ def test_workers_ignoring_sigterm_are_killed_with_their_children(tmp_path: Path)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_stop_signal_stops_every_worker(tmp_path: Path, signum: int) -> None:
     script = write_script(tmp_path, "sleep.py", SLEEP)
-    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
-                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = warm.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                          env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pids = read_pids(tmp_path, 2)
         launcher.send_signal(signum)
@@ -291,9 +292,9 @@ def test_ctrl_c_at_a_terminal_stops_the_workers_through_the_launcher(tmp_path: P
     script = write_script(tmp_path, "sleep.py", "import signal, sys\n"
                           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(print('stopped by SIGTERM', flush=True)))\n"
                           + textwrap.dedent(SLEEP))
-    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
-                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = warm.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                          env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
     try:
         pids = read_pids(tmp_path, 2)
         os.killpg(launcher.pid, signal.SIGINT)
@@ -308,8 +309,8 @@ def test_ctrl_c_at_a_terminal_stops_the_workers_through_the_launcher(tmp_path: P
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 def test_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
     script = write_script(tmp_path, "sleep.py", SLEEP)
-    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
-                                env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = warm.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                          env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         pids = read_pids(tmp_path, 2)
     finally:

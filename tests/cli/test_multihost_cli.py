@@ -13,6 +13,7 @@ from phalanx.cli.config import LaunchConfig
 from phalanx.cli.network import bind_store, host_store, interface_towards, is_loopback
 from phalanx.cli.main import main, parse_nnodes
 from tests.cli.test_launcher import phalanx_command, worker_env, write_script
+from tests import warm
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the launcher uses POSIX process groups")
 
@@ -95,9 +96,9 @@ def test_a_failure_on_one_host_stops_every_host(tmp_path: Path) -> None:
 
     script = write_script(tmp_path, "fail.py", FAIL_ON_NODE_1)
     common = ["-n", "1", "--nnodes", "2", "--master-port", str(free_port()), "--grace", "1"]
-    launchers = [subprocess.Popen(phalanx_command(*common, "--node-rank", str(node), str(script), str(tmp_path)),
-                                  cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for node in (0, 1)]
+    launchers = [warm.Popen(phalanx_command(*common, "--node-rank", str(node), str(script), str(tmp_path)),
+                            cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for node in (0, 1)]
     try:
         started = time.monotonic()
         outputs = [launcher.communicate(timeout=60) for launcher in launchers]
@@ -123,8 +124,8 @@ LOSE_RANK_1 = """\
 
 def test_elastic_launcher_survives_a_lost_worker(tmp_path: Path) -> None:
     script = write_script(tmp_path, "lose.py", LOSE_RANK_1)
-    result = subprocess.run(phalanx_command("-n", "3", "--min-workers", "2", str(script), str(tmp_path)),
-                            cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=60)
+    result = warm.run(phalanx_command("-n", "3", "--min-workers", "2", str(script), str(tmp_path)),
+                      cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "worker rank 1 (pid" in result.stderr and "was lost: exit code 3: rank 1 gives up;" in result.stderr
     assert "[1] rank 1 gives up" in result.stderr and "the elastic job completed" in result.stderr
@@ -135,9 +136,9 @@ def test_elastic_launcher_stops_every_worker_on_sigterm(tmp_path: Path) -> None:
     from tests.cli.test_launcher import SLEEP, assert_all_gone, read_pids
 
     script = write_script(tmp_path, "sleep.py", SLEEP)
-    launcher = subprocess.Popen(phalanx_command("-n", "2", "--min-workers", "1", str(script), str(tmp_path)),
-                                cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher = warm.Popen(phalanx_command("-n", "2", "--min-workers", "1", str(script), str(tmp_path)),
+                          cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
     try:
         pids = read_pids(tmp_path, 2)
         launcher.send_signal(15)

@@ -26,6 +26,7 @@ from phalanx.comm import auth
 from phalanx.comm.membership import Keys
 from tests.cli.test_launcher import phalanx_command, worker_env
 from tests.elastic.launch import free_port
+from tests import warm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -57,9 +58,9 @@ class Payload:
 
 
 def joiner(tmp_path: Path, port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(phalanx_command("-n", "1", "--nnodes", "1:2", "--node-rank", "1", "--master-port",
-                                          str(port), "--timeout", "20", "job.py"),
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    return warm.run(phalanx_command("-n", "1", "--nnodes", "1:2", "--node-rank", "1", "--master-port",
+                                    str(port), "--timeout", "20", "job.py"),
+                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_an_elastic_job_refuses_outsiders_and_finishes_with_its_own_result(tmp_path: Path) -> None:
@@ -67,10 +68,10 @@ def test_an_elastic_job_refuses_outsiders_and_finishes_with_its_own_result(tmp_p
     port, marker = free_port(), tmp_path / "ran"
     without_secret = {k: v for k, v in worker_env().items() if k != auth.SECRET_ENV}
     secret_file = auth.write_file(auth.JobSecret.generate(), tmp_path / "secrets")
-    node0 = subprocess.Popen(phalanx_command("-n", "2", "--nnodes", "1:2", "--node-rank", "0", "--master-port",
-                                             str(port), "--timeout", "30", "job.py"),
-                             cwd=tmp_path, env={**without_secret, auth.SECRET_FILE_ENV: str(secret_file)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = warm.Popen(phalanx_command("-n", "2", "--nnodes", "1:2", "--node-rank", "0", "--master-port",
+                                       str(port), "--timeout", "30", "job.py"),
+                       cwd=tmp_path, env={**without_secret, auth.SECRET_FILE_ENV: str(secret_file)},
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=30))
@@ -113,9 +114,9 @@ def test_forged_heartbeats_and_bumped_generation_counters_decide_nothing(tmp_pat
     re-formed, nobody is declared dead, the result is its own, each forged key is reported once."""
     (tmp_path / "job.py").write_text(JOB)  # no px.elastic.run: a single re-form would fail the job
     port = free_port()
-    node0 = subprocess.Popen(phalanx_command("-n", "2", "--min-workers", "1", "--master-port", str(port),
-                                             "--timeout", "30", "job.py"),
-                             cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = warm.Popen(phalanx_command("-n", "2", "--min-workers", "1", "--master-port", str(port),
+                                       "--timeout", "30", "job.py"),
+                       cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=30))
@@ -143,9 +144,9 @@ def test_forged_heartbeats_and_bumped_generation_counters_decide_nothing(tmp_pat
 def test_node_0_makes_a_secret_and_says_where_it_keeps_it_without_printing_it(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text("import phalanx as px\npx.init()\n")
     without_secret = {k: v for k, v in worker_env().items() if k != auth.SECRET_ENV}
-    done = subprocess.run(phalanx_command("-n", "1", "--nnodes", "1:2", "--master-port", str(free_port()),
-                                          "--timeout", "30", "job.py"),
-                          cwd=tmp_path, env=without_secret, capture_output=True, text=True, timeout=60)
+    done = warm.run(phalanx_command("-n", "1", "--nnodes", "1:2", "--master-port", str(free_port()),
+                                    "--timeout", "30", "job.py"),
+                    cwd=tmp_path, env=without_secret, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "this job's secret is in" in line]
     assert len(lines) == 1 and f"{auth.SECRET_FILE_ENV}=" in lines[0], done.stderr
@@ -184,8 +185,8 @@ def test_shared_memory_names_cannot_be_guessed_and_a_squatter_changes_nothing(tm
         (tmp_path / "job.py").write_text(
             "import torch, phalanx as px\npx.init()\nprint('shm', px.communicator().shares_one_host(), "
             "float(px.allreduce(torch.ones(1))[0]), flush=True)\n")
-        done = subprocess.run(phalanx_command("-n", "2", "--timeout", "30", "job.py"), cwd=tmp_path, env=worker_env(),
-                              capture_output=True, text=True, timeout=60)
+        done = warm.run(phalanx_command("-n", "2", "--timeout", "30", "job.py"), cwd=tmp_path, env=worker_env(),
+                        capture_output=True, text=True, timeout=60)
     finally:
         for path in squatted:
             path.unlink(missing_ok=True)
@@ -220,8 +221,8 @@ px.barrier()
 def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     """Every socket the workers listen on (Gloo's, shared memory's helpers) stays on loopback."""
     (tmp_path / "job.py").write_text(LISTENING)
-    done = subprocess.run(phalanx_command("-n", "2", "--timeout", "30", "job.py"), cwd=tmp_path, env=worker_env(),
-                          capture_output=True, text=True, timeout=60)
+    done = warm.run(phalanx_command("-n", "2", "--timeout", "30", "job.py"), cwd=tmp_path, env=worker_env(),
+                    capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     addresses = [address for line in done.stdout.splitlines() if "listens" in line
                  for address in json.loads(line.split("listens ", 1)[1])]

@@ -15,6 +15,7 @@ import pytest
 
 from tests.cli.test_launcher import phalanx_command, run_on_hosts, worker_env, write_script
 from tests.elastic.launch import clean_env, free_port
+from tests import warm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -46,8 +47,8 @@ DDP_SCRIPT = """\
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     script = write_script(tmp_path, "ddp.py", DDP_SCRIPT)
-    return subprocess.run(phalanx_command(*args, str(script)), cwd=tmp_path, env=worker_env(),
-                          capture_output=True, text=True, timeout=90)
+    return warm.run(phalanx_command(*args, str(script)), cwd=tmp_path, env=worker_env(),
+                    capture_output=True, text=True, timeout=90)
 
 
 @pytest.mark.parametrize("workers", [2, 3])

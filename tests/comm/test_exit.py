@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.test_launcher import phalanx_command, worker_env, write_script
+from tests import warm
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the launcher uses POSIX process groups")
 
@@ -33,16 +34,16 @@ SHORT = """\
 
 
 def launch(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(phalanx_command("--timeout", "60", *args), cwd=tmp_path, env=worker_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return warm.run(phalanx_command("--timeout", "60", *args), cwd=tmp_path, env=worker_env(),
+                    capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_script_without_shutdown_exits_0_every_time(tmp_path: Path) -> None:
     script = write_script(tmp_path, "short.py", SHORT)
     failures = []
     for first in range(0, RUNS, AT_ONCE):
-        jobs = [subprocess.Popen(phalanx_command("--timeout", "60", "-n", "2", str(script)), cwd=tmp_path,
-                                 env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        jobs = [warm.Popen(phalanx_command("--timeout", "60", "-n", "2", str(script)), cwd=tmp_path,
+                           env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(AT_ONCE)]
         for run, job in enumerate(jobs, first):
             out, err = job.communicate(timeout=60)
@@ -112,8 +113,8 @@ def test_ctrl_c_stops_a_job_in_a_collective(tmp_path: Path) -> None:
             px.allreduce(torch.ones(4))  # waits for rank 1, which sleeps
         time.sleep(60)
     """)
-    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
-                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = warm.Popen(phalanx_command("-n", "2", str(script), str(tmp_path)), cwd=tmp_path,
+                          env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("*.ready"))) < 2 and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ from phalanx.comm.algorithms import BACKEND_OPS
 from tests.cli.test_launcher import phalanx_command, worker_env, write_script
 from tests.comm.test_algorithms import DTYPES, SIZES, _input
 from tests.harness import run_workers
+from tests import warm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm here")
 
@@ -83,8 +84,8 @@ def test_a_worker_killed_during_an_allreduce_is_named_and_nothing_is_left(tmp_pa
         px.allreduce(torch.ones(10), check=False)
     """)
     started = time.monotonic()
-    launcher = subprocess.Popen(phalanx_command("-n", "3", "--grace", "5", str(script)), cwd=tmp_path,
-                                env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = warm.Popen(phalanx_command("-n", "3", "--grace", "5", str(script)), cwd=tmp_path,
+                          env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode != 0
     assert time.monotonic() - started < 20
@@ -99,8 +100,8 @@ def test_a_finished_job_leaves_no_segment(tmp_path: Path) -> None:
         px.init(transport="shm")
         assert int(px.allreduce(torch.ones(3))[0]) == px.size()
     """)
-    launcher = subprocess.Popen(phalanx_command("-n", "2", str(script)), cwd=tmp_path, env=worker_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = warm.Popen(phalanx_command("-n", "2", str(script)), cwd=tmp_path, env=worker_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, stderr
     assert _leftovers(str(launcher.pid)) == []

@@ -13,6 +13,7 @@ import torch
 
 import phalanx as px
 from tests.doctor import linear_regression as problem
+from tests import warm
 
 SCRIPT = Path(problem.__file__)
 
@@ -27,9 +28,9 @@ def exact_noise_scale() -> float:
 
 def test_doctor_reports_json_trace_plot_and_the_noise_scale_within_a_factor_two(tmp_path: Path) -> None:
     trace, plot = tmp_path / "trace.json", tmp_path / "scaling.png"
-    done = subprocess.run([sys.executable, "-m", "phalanx", "doctor", "-n", "2", "--steps", "30", "--warmup", "2",
-                           "--json", "--trace", str(trace), "--plot", str(plot), "--bandwidth", "1", str(SCRIPT)],
-                          capture_output=True, text=True, timeout=240)
+    done = warm.run([sys.executable, "-m", "phalanx", "doctor", "-n", "2", "--steps", "30", "--warmup", "2",
+                     "--json", "--trace", str(trace), "--plot", str(plot), "--bandwidth", "1", str(SCRIPT)],
+                    capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout)
     measured = found["measured"]
@@ -72,7 +73,7 @@ def test_a_script_that_trains_through_ray_is_refused_with_what_to_run_instead(ra
                                                                              tmp_path: Path) -> None:
     driver = tmp_path / "ray_driver.py"
     driver.write_text("import ray\nray.init(log_to_driver=False)\nprint('a TorchTrainer would train here')\n")
-    done = subprocess.run([sys.executable, "-m", "phalanx", "doctor", "-n", "1", str(driver)], cwd=tmp_path,
-                          env=ray_cluster, capture_output=True, text=True, timeout=180)
+    done = warm.run([sys.executable, "-m", "phalanx", "doctor", "-n", "1", str(driver)], cwd=tmp_path,
+                    env=ray_cluster, capture_output=True, text=True, timeout=180)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "the script trains through Ray" in done.stderr and "docs/ray.md" in done.stderr, done.stderr

@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from phalanx.lifetime import die_with_parent  # the launcher dies with the test, its workers with it
+from tests import warm
 
 JOB = Path(__file__).with_name("job.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +57,13 @@ class Launch:
         command = [*prefix, sys.executable, "-m", "phalanx", "run", *launcher_args, str(job),
                    "--out", str(self.out), "--pids", str(self.pids), "--progress", str(self.progress), *job_args]
         with open(self.log_out, "wb") as out, open(self.log_err, "wb") as err:
-            self.process = subprocess.Popen(command, cwd=directory, env=clean_env(**(env or {})), stdout=out, stderr=err,
-                                            start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+            if prefix:  # another host's namespace: a fresh python there, which dies with the test
+                self.process = subprocess.Popen(command, cwd=directory, env=clean_env(**(env or {})), stdout=out,
+                                                stderr=err, start_new_session=True,
+                                                preexec_fn=die_with_parent(os.getpid()))
+            else:  # forked warm: its own session; it dies with the session's fork server, which dies with the test
+                self.process = warm.Popen(command, cwd=directory, env=clean_env(**(env or {})), stdout=out, stderr=err,
+                                          start_new_session=True)
 
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)

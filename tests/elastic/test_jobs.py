@@ -102,7 +102,7 @@ def test_a_worker_started_later_joins_at_a_step_boundary(tmp_path: Path) -> None
     common = ["--nnodes", "1:2", "--master-port", port, "--timeout", "30"]
     hold = ["--hold", f"20:{tmp_path / 'joining'}", "--step-sleep", "0.01"]  # the job waits there for the joiner
     with launched(tmp_path, ["-n", "2", *common], hold) as job:
-        job.wait_for_step(1)
+        job.wait_for_step(20)  # started later indeed: while the job holds after step 20
         with launched(tmp_path, ["-n", "1", "--node-rank", "1", *common],
                       [*hold, "--started-file", str(tmp_path / "joining")], name="node1") as joiner:
             assert job.wait(JOB_TIMEOUT_S) == 0, job.output()

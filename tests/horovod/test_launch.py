@@ -14,6 +14,7 @@ import pytest
 from phalanx.cli.main import build_parser, config_from_args
 from phalanx.errors import ConfigurationError
 from tests.elastic.launch import clean_env
+from tests import warm
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "horovod_mnist.py"
@@ -54,9 +55,9 @@ def test_the_horovod_example_trains_under_phalanx_run_np_2() -> None:
     code = [line for line in EXAMPLE.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
     body = code[code.index('"""', 1) + 1:] if code[0].startswith('"""') and '"""' in code[1:] else code
     assert [line for line in body if "phalanx" in line] == ["import phalanx.horovod.torch as hvd"]
-    run = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", str(EXAMPLE), "--epochs", "3",
-                          "--lr", "0.25", "--log-interval", "1000"], cwd=REPO, env=clean_env(), capture_output=True,
-                         text=True, timeout=120)
+    run = warm.run([sys.executable, "-m", "phalanx", "run", "-np", "2", str(EXAMPLE), "--epochs", "3",
+                    "--lr", "0.25", "--log-interval", "1000"], cwd=REPO, env=clean_env(), capture_output=True,
+                   text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     accuracies = [float(a) for a in re.findall(r"\[0\] Test set: .*Accuracy: ([\d.]+)%", run.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 40.0, run.stdout[-2000:]

@@ -31,10 +31,14 @@ parser.add_argument("--kill-server-after", type=float, default=None)
 parser.add_argument("--clip-norm", type=float, default=None)
 parser.add_argument("--clip-value", type=float, default=None)
 parser.add_argument("--step-lr", type=int, default=None, help="a torch StepLR scheduler of this step_size")
+parser.add_argument("--start-after", default=None, metavar="FILE", help="every process waits for FILE after px.init()")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
 px.init()
+deadline = time.monotonic() + 60
+while args.start_after and not os.path.exists(args.start_after) and time.monotonic() < deadline:
+    time.sleep(0.02)
 torch.manual_seed(0)
 x = torch.randn(480, 20)
 y = (x[:, :3].sum(1) > 0).long()

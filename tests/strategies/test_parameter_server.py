@@ -21,6 +21,7 @@ from phalanx.data import epoch_plan
 
 from tests.cli.test_launcher import phalanx_command, run_on_hosts, worker_env
 from tests.elastic.launch import free_port
+from tests import warm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -28,8 +29,8 @@ SCRIPT = str(Path(__file__).with_name("ps_train.py"))
 
 
 def launch(tmp_path: Path, launcher: list[str], *script_args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(phalanx_command("--timeout", "60", *launcher, SCRIPT, *script_args), cwd=tmp_path,
-                          env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    done = warm.run(phalanx_command("--timeout", "60", *launcher, SCRIPT, *script_args), cwd=tmp_path,
+                    env=worker_env(), capture_output=True, text=True, timeout=timeout)
     return done
 
 
@@ -118,17 +119,18 @@ def test_sync_servers_clip_the_gradient_they_apply_and_follow_a_torch_scheduler(
     asynchronous servers too). An outsider who reaches the store's port writes every step's
     squared norms first (issue 40): the servers wait past values without the job's secret, and
     the weights are the same."""
-    port, out = free_port(), tmp_path / "ps-clipped.pt"
-    job = subprocess.Popen(phalanx_command("--timeout", "60", "--master-port", str(port), "-n", "2", "--servers", "2",
-                                           SCRIPT, "sync", str(out), "--loop", "fit", "--clip-value", "0.02",
-                                           "--clip-norm", "0.05", "--step-lr", "4"),
-                           cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port, out, forged = free_port(), tmp_path / "ps-clipped.pt", tmp_path / "forged"
+    job = warm.Popen(phalanx_command("--timeout", "60", "--master-port", str(port), "-n", "2", "--servers", "2",
+                                     SCRIPT, "sync", str(out), "--loop", "fit", "--clip-value", "0.02",
+                                     "--clip-norm", "0.05", "--step-lr", "4", "--start-after", str(forged)),
+                     cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         outsider = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                                  timeout=datetime.timedelta(seconds=30))
-        for step in range(30):  # 2 epochs of 15 global batches
+        for step in range(30):  # 2 epochs of 15 global batches, before the job's first (it waits for the file)
             for server in range(2):
                 outsider.set(f"phalanx/ps/squared-norm/{step}/{server}", "1e30")
+        forged.touch()
         stdout, stderr = job.communicate(timeout=120)
     finally:
         job.kill()
@@ -150,9 +152,9 @@ def test_central_storage_trains_like_data_parallel_with_state_on_one_rank(tmp_pa
 
 def test_async_parameter_servers_learn_digits(tmp_path: Path) -> None:
     """3 workers and 1 server, updates applied as they arrive: digits reach 95 % validation accuracy."""
-    done = subprocess.run(phalanx_command("--timeout", "60", "-n", "3", "--servers", "1",
-                                          str(Path(__file__).with_name("ps_digits.py")), "async", "1e-3", "8"),
-                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
+    done = warm.run(phalanx_command("--timeout", "60", "-n", "3", "--servers", "1",
+                                    str(Path(__file__).with_name("ps_digits.py")), "async", "1e-3", "8"),
+                    cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     accuracies = [float(a) for a in re.search(r"val_accuracy \[(.*)\]", done.stdout).group(1).split(",")]
     assert len(accuracies) == 8 and max(accuracies) >= 0.95, accuracies

@@ -23,6 +23,7 @@ import phalanx as px
 from phalanx.train import checkpoint_io
 from phalanx.data import epoch_plan
 from tests.harness import run_workers
+from tests import warm
 
 SAMPLES, GLOBAL_BATCH, EPOCHS = 140, 30, 4  # 5 steps an epoch, the last of 20 samples: 20 steps
 STEPS = EPOCHS * -(-SAMPLES // GLOBAL_BATCH)
@@ -228,8 +229,8 @@ _KILLABLE_STEPS = 27  # 3 epochs of ceil(200 / 24) = 9 steps
 
 
 def _launch(script: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "2", "--no-prefix", str(script), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return warm.Popen([sys.executable, "-m", "phalanx", "run", "-n", "2", "--no-prefix", str(script), *args],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _finish(process: subprocess.Popen) -> str:

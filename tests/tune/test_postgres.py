@@ -22,6 +22,7 @@ from phalanx.tune.storage import load_study
 from phalanx.tune.study import counted
 from tests.cli.test_launcher import worker_env
 from tests.tune.test_search import HERE, tune_command, write_space
+from tests import warm
 
 SERVER_BINARIES = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
 
@@ -64,11 +65,11 @@ def postgres_url() -> Iterator[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 def test_two_searches_share_a_postgresql_study(tmp_path: Path, postgres_url: str) -> None:
     space = write_space(tmp_path)
-    searches = [subprocess.Popen(tune_command("--space", space, "--trials", "4", "--metric", "loss", "--pruner", "none",
-                                              "--storage", postgres_url, "--study-dir", f"host{k}",
-                                              str(HERE / "objective.py")),
-                                 cwd=tmp_path, env=worker_env(OBJECTIVE_SLEEP="0.2"), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for k in range(2)]
+    searches = [warm.Popen(tune_command("--space", space, "--trials", "4", "--metric", "loss", "--pruner", "none",
+                                        "--storage", postgres_url, "--study-dir", f"host{k}",
+                                        str(HERE / "objective.py")),
+                           cwd=tmp_path, env=worker_env(OBJECTIVE_SLEEP="0.2"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for k in range(2)]
     outputs = [search.communicate(timeout=180)[0] for search in searches]
     assert [search.returncode for search in searches] == [0, 0], outputs
     finished = counted(load_study(postgres_url, "objective"))

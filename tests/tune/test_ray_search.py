@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.tune.test_search import HERE, rows, tune_command, write_space
+from tests import warm
 
 SPACE = {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}}
 
@@ -22,8 +23,8 @@ def test_a_search_on_ray_runs_two_trials_at_a_time_prunes_resumes_and_writes_its
     command = tune_command("--on", "ray", "-j", "2", "--space", space, "--trials", "4", "--metric", "val_loss",
                            "--seed", "0", str(HERE / "fit_trial.py"), "5")  # trial 5 learns nothing: pruned
     # Interrupted (Ctrl-C) once its first two trials started on the cluster...
-    first = subprocess.Popen(command, cwd=tmp_path, env=ray_cluster, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = warm.Popen(command, cwd=tmp_path, env=ray_cluster, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in first.stdout:
         seen.append(line)
@@ -35,7 +36,7 @@ def test_a_search_on_ray_runs_two_trials_at_a_time_prunes_resumes_and_writes_its
     assert first.returncode == 130 and "stopped; run the same command again" in rest, "".join(seen) + rest
     assert "complete" not in rest and "pruned" not in rest, rest  # nothing settled after Ctrl-C
     # ...and started again: trials 0 and 1 run again as 2 and 3, then 4 and 5; the study ends with 4.
-    again = subprocess.run(command, cwd=tmp_path, env=ray_cluster, capture_output=True, text=True, timeout=400)
+    again = warm.run(command, cwd=tmp_path, env=ray_cluster, capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     assert "were interrupted; their parameters run again" in again.stdout, again.stdout
     assert "on Ray at" in again.stdout

@@ -19,6 +19,7 @@ from phalanx.tune.storage import journal_url, load_study
 from phalanx.tune.study import INTERRUPTED_ATTR, counted, unreported_metric
 from phalanx.tune.trial import CURVE_ATTR
 from tests.cli.test_launcher import worker_env
+from tests import warm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher tests run on Linux")
 
@@ -32,8 +33,8 @@ def tune_command(*args: str) -> list[str]:
 
 def tune(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
          timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(tune_command(*args), cwd=tmp_path, env=env or worker_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return warm.run(tune_command(*args), cwd=tmp_path, env=env or worker_env(), capture_output=True, text=True,
+                    timeout=timeout)
 
 
 def write_space(tmp_path: Path, space: dict = SPACE, name: str = "space.json") -> str:
@@ -96,8 +97,8 @@ def test_a_killed_search_started_again_completes_exactly_t_trials(tmp_path: Path
     command = tune_command("--space", space, "--trials", "2", "--metric", "loss", "--pruner", "none",
                            str(HERE / "objective.py"))
     env = worker_env(OBJECTIVE_SLEEP="0.4")
-    search = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    search = warm.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
     seen = []
     for line in search.stdout:
         seen.append(line)
@@ -106,7 +107,7 @@ def test_a_killed_search_started_again_completes_exactly_t_trials(tmp_path: Path
     time.sleep(1.0)  # trial 1 is running
     os.kill(search.pid, signal.SIGKILL)
     search.wait()
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = warm.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "trial(s) [1] were interrupted" in done.stdout, done.stdout
     study = load_study(journal_url(tmp_path / "tune-objective"), "objective")
@@ -123,10 +124,10 @@ def test_two_searches_share_one_study(tmp_path: Path) -> None:
     space = write_space(tmp_path)
     storage = journal_url(tmp_path / "shared")
     env = worker_env(OBJECTIVE_SLEEP="0.15")
-    searches = [subprocess.Popen(tune_command("--space", space, "--trials", "4", "--metric", "loss", "--pruner", "none",
-                                              "--storage", storage, "--study-dir", f"host{k}",
-                                              str(HERE / "objective.py")),
-                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    searches = [warm.Popen(tune_command("--space", space, "--trials", "4", "--metric", "loss", "--pruner", "none",
+                                        "--storage", storage, "--study-dir", f"host{k}",
+                                        str(HERE / "objective.py")),
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for k in range(2)]
     outputs = [search.communicate(timeout=180)[0] for search in searches]
     assert [search.returncode for search in searches] == [0, 0], outputs
@@ -192,8 +193,10 @@ px.tune.report(1, loss=1.0)
 def test_trials_start_warm_forked_from_the_search_without_importing_torch_again(tmp_path: Path) -> None:
     (tmp_path / "warm.py").write_text(WARM_TRIAL)
     space = write_space(tmp_path, {"x": {"type": "float", "low": 0, "high": 1}})
-    done = tune(tmp_path, "-j", "2", "--space", space, "--trials", "3", "--metric", "loss", "--pruner", "none",
-                str(tmp_path / "warm.py"))
+    # started from a shell, as a user starts it (the other tests fork theirs warm: tests/warm.py)
+    done = subprocess.run(tune_command("-j", "2", "--space", space, "--trials", "3", "--metric", "loss", "--pruner",
+                                       "none", str(tmp_path / "warm.py")),
+                          cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     for row in rows(tmp_path / "tune-warm"):
         line = next(line for line in Path(row["log"]).read_text().splitlines() if "START" in line)

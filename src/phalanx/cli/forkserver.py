@@ -62,13 +62,16 @@ from typing import IO
 import phalanx
 from phalanx.lifetime import die_with_parent
 
-__all__ = ["ForkServer", "ForkedProcess", "startup_variables_differ"]
+__all__ = ["TORCHDYNAMO", "ForkServer", "ForkedProcess", "startup_variables_differ"]
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # the server's imports, on a host busy with other jobs
 POLL_S = 0.1
 _MESSAGE_BYTES = 1 << 20
+#: Loaded by the first torch optimizer a script makes (``torch._disable_dynamo``): about as costly as
+#: torch itself. A server that forks many short jobs (``phalanx tune``'s) preloads it once for all.
+TORCHDYNAMO = "torch._dynamo"
 #: Read when an interpreter or a library loads: a forked child cannot take a new value of these.
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "TORCH_")
 
@@ -197,13 +200,13 @@ class ForkServer:
         return not differ
 
     def spawn(self, argv: Sequence[str], environment: Mapping[str, str], cwd: str,
-              output: int | None = None) -> ForkedProcess:
+              stdout: int | None = None, stderr: int | None = None) -> ForkedProcess:
         """Fork a process running ``worker_main``'s ``argv`` (a script, or ``-m`` and a module) with
-        ``environment`` in ``cwd``. Its stdout and stderr come back as pipes, like ``Popen(...,
-        stdout=PIPE, stderr=PIPE)``'s, or both go to the descriptor ``output`` (a log file)."""
+        ``environment`` in ``cwd``. ``stdout`` and ``stderr`` are descriptors it writes to (a log
+        file, both the same one); each left ``None`` comes back as a pipe, as ``Popen(..., stdout=PIPE)``'s."""
         assert self._socket is not None
-        pipes = [os.pipe(), os.pipe()] if output is None else []
-        ends = [write for _, write in pipes] if output is None else [output, output]
+        pipes = {name: os.pipe() for name, given in (("stdout", stdout), ("stderr", stderr)) if given is None}
+        ends = [pipes["stdout"][1] if stdout is None else stdout, pipes["stderr"][1] if stderr is None else stderr]
         request = json.dumps({"argv": list(argv), "env": dict(environment), "cwd": cwd}).encode()
         try:
             with self._lock, self._reply:
@@ -213,17 +216,17 @@ class ForkServer:
                 if self.refused is not None and not self._replies:
                     raise OSError(f"the fork server stopped: {self.refused}")
                 pid = self._replies.pop(0)
-                process = ForkedProcess(pid, *(open(read, "rb") for read, _ in pipes)) if pipes \
-                    else ForkedProcess(pid, None, None)
+                readers = {name: open(read, "rb") for name, (read, _) in pipes.items()}
+                process = ForkedProcess(pid, readers.get("stdout"), readers.get("stderr"))
                 self._processes[pid] = process
                 if pid in self._early_exits:
                     process._ended(*self._early_exits.pop(pid))
         except BaseException:
-            for read, _ in pipes:
+            for read, _ in pipes.values():
                 os.close(read)
             raise
         finally:
-            for _, write in pipes:
+            for _, write in pipes.values():
                 os.close(write)
         return process
 

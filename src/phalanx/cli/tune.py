@@ -147,11 +147,6 @@ def _configure(namespace: argparse.Namespace,
     return search, runner.Job(script, tuple(script_args), namespace.nproc_per_node), directory
 
 
-#: Loaded by the first torch optimizer a script makes (``torch._disable_dynamo``): about as costly as
-#: torch itself, paid once by the search's server rather than by every trial's every worker.
-DYNAMO = "torch._dynamo"
-
-
 @contextlib.contextmanager
 def warm_trials() -> Iterator["runner.StartTrial"]:
     """How this search starts its trials' launchers: forked from one fork server for the whole search
@@ -160,17 +155,17 @@ def warm_trials() -> Iterator["runner.StartTrial"]:
     after two imports (torch, then TorchDynamo at its first optimizer). A fresh ``python`` where a fork
     cannot serve."""
     from phalanx.cli.config import WorkerSpec
-    from phalanx.cli.forkserver import ForkServer
+    from phalanx.cli.forkserver import TORCHDYNAMO, ForkServer
     from phalanx.tune import runner
 
     forks = ForkServer(WorkerSpec.shared_environment(
-        {k: v for k, v in os.environ.items() if not k.startswith(runner.LAUNCH_KEYS)}), preload=[DYNAMO])
+        {k: v for k, v in os.environ.items() if not k.startswith(runner.LAUNCH_KEYS)}), preload=[TORCHDYNAMO])
     forks.start()  # before the runner's threads: this process may become the server's parent by a fork
 
     def start(arguments: list[str], env: dict[str, str], folder: Path, output: int) -> runner.TrialProcess:
         env = WorkerSpec.shared_environment(env)
         if forks.serves(env):
-            return forks.spawn(["-m", "phalanx", *arguments], env, str(folder), output=output)
+            return forks.spawn(["-m", "phalanx", *arguments], env, str(folder), stdout=output, stderr=output)
         return runner.start_with_python(arguments, env, folder, output)
 
     try:
