@@ -21,8 +21,11 @@ DEMO_DIR ?= runs/demo
 demo: $(STAMP)
 	$(BIN)/phalanx run -n 2 examples/digits.py --checkpoint-dir $(DEMO_DIR) $(DEMO_ARGS)
 
+# Two pytest workers (pytest-xdist) even on two cores: many tests wait on timeouts and heartbeats
+# (--dist loadgroup keeps the Ray tests together, on the session's one Ray cluster). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
