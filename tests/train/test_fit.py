@@ -22,6 +22,7 @@ from torch import nn
 import phalanx as px
 from phalanx.train import checkpoint_io
 from phalanx.data import epoch_plan
+from tests.cli.test_launcher import assert_all_gone
 from tests.harness import run_workers
 from tests import warm
 
@@ -201,9 +202,10 @@ def test_a_resumed_run_says_what_it_resumed_and_when_nothing_was_left_to_train(
 
 
 _KILLABLE_SCRIPT = textwrap.dedent('''
-    import sys, torch, torch.nn.functional as F
+    import os, sys, torch, torch.nn.functional as F
     from torch import nn
     import phalanx as px
+    print(f"worker pid {os.getpid()}", flush=True)
 
     class Announce:
         def on_step_end(self, step, logs, state):
@@ -250,11 +252,15 @@ def test_a_killed_job_resumes_from_its_checkpoint_and_ends_where_an_uninterrupte
 
     victim = _launch(script, str(tmp_path / "run"), str(tmp_path / "resumed.pt"))
     deadline = time.monotonic() + 90
+    workers = []
     for line in victim.stdout:  # type: ignore[union-attr]
+        workers += [int(pid) for pid in re.findall(r"^worker pid (\d+)$", line)]
         if "global step 13 done" in line or time.monotonic() > deadline:
             break
-    os.killpg(victim.pid, signal.SIGKILL)  # the launcher; its workers die with it
+    os.killpg(victim.pid, signal.SIGKILL)  # the launcher; its workers die with it, moments later
     victim.wait(timeout=30)
+    assert len(workers) == 2, workers
+    assert_all_gone(workers)  # before the checkpoints are listed: a worker still running could add one
     assert not (tmp_path / "resumed.pt").exists()
     saved = checkpoint_io.list_checkpoints(tmp_path / "run")
     assert saved, "no checkpoint was written before the kill"
