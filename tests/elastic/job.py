@@ -79,6 +79,33 @@ def hold(path: str, generation: int, timeout: float = 60.0) -> None:
             time.sleep(0.02)
 
 
+def watch_world(path: str) -> tuple["threading.Event", "threading.Thread"]:
+    """Another thread of the worker, as a logger or a loader's would be: every (rank, size, is_master)
+    it reads, across re-formings, written to ``path`` at each new one, until the event returned is set
+    (before ``px.shutdown()``, after which a process is a world of one again)."""
+    import json
+    import threading
+
+    import phalanx as px
+
+    seen: set[tuple[int, int, bool]] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            world = (px.rank(), px.size(), px.is_master())
+            if world not in seen:
+                seen.add(world)
+                with open(path + ".tmp", "w") as handle:
+                    json.dump(sorted(seen), handle)
+                os.replace(path + ".tmp", path)
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="watch-world")
+    watcher.start()
+    return stop, watcher
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -92,6 +119,8 @@ def main() -> None:
                         help="created once this worker started: 'join' when it is about to ask to join, else 'founder'")
     parser.add_argument("--freeze-rank", type=int, default=-1, help="this rank stops itself (SIGSTOP) just "
                         "before its first step, after the job formed")
+    parser.add_argument("--watch-world", action="store_true", help="a thread reads px.rank(), px.size() and "
+                        "px.is_master() in a loop; each worker writes the worlds it saw to --pids/worlds-PID.json")
     args = parser.parse_args()
     holds = {int(step): path for step, path in (hold.split(":", 1) for hold in args.hold)}
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
@@ -102,6 +131,7 @@ def main() -> None:
     from phalanx.data import DistributedLoader
 
     px.init()
+    watching = watch_world(os.path.join(args.pids, f"worlds-{os.getpid()}.json")) if args.watch_world else None
     model = px.DataParallel(build_model())
     optimizer = make_optimizer(model)
     loader = DistributedLoader(dataset(), GLOBAL_BATCH, seed=3)
@@ -146,6 +176,9 @@ def main() -> None:
         torch.save({"weights": model.state_dict(), "changes": changes, "steps": steps, "size": px.size(),
                     "recoveries": [r.__dict__ for r in state.recoveries]}, args.out)
     print(f"done: rank {px.rank()} of {px.size()} after {steps} steps", flush=True)
+    if watching is not None:
+        watching[0].set()
+        watching[1].join()
     px.shutdown()
 
 

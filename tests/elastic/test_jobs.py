@@ -7,6 +7,7 @@ changed). Every launch runs under a hard timeout and is killed, workers included
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -58,6 +59,31 @@ def test_a_killed_worker_leaves_the_others_training(tmp_path: Path) -> None:
     assert f"worker rank {victim} (pid {pid}) was lost: signal SIGKILL" in job.stderr
     assert "the elastic job completed" in job.stderr
     assert_matches_reference(result["weights"])
+
+
+def test_other_threads_see_the_last_world_or_the_next_never_one_that_did_not_exist(tmp_path: Path) -> None:
+    """A thread that reads px.rank(), px.size() and px.is_master() in a loop while a SIGKILL makes the
+    survivors re-form: it sees 3 workers, then 2, one master at a time, never a world of one."""
+    seed = random.randrange(1 << 30)
+    chooser = random.Random(seed)
+    victim, at_step = chooser.randrange(3), chooser.randrange(5, 50)
+    print(f"seed {seed}: SIGKILL rank {victim} after step {at_step}")
+    with launched(tmp_path, ["-n", "3", "--min-workers", "2", "--timeout", "30"],
+                  ["--watch-world", "--step-sleep", "0.01"]) as job:
+        pid = job.worker_pid(victim)
+        job.wait_for_step(at_step)
+        os.kill(pid, signal.SIGKILL)
+        assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
+    assert job.result()["size"] == 2
+    survivors = [path for path in (tmp_path / "pids").glob("worlds-*.json") if path.name != f"worlds-{pid}.json"]
+    assert len(survivors) == 2, list((tmp_path / "pids").iterdir())
+    for path in survivors:
+        worlds = {tuple(world) for world in json.loads(path.read_text())}
+        # each call answers one generation's value (two calls may straddle the swap, so a pair may mix them)
+        assert {size for _, size, _ in worlds} == {3, 2}, f"{path.name}: {sorted(worlds)}"
+        assert all(0 <= rank < 3 for rank, _, _ in worlds), f"{path.name}: {sorted(worlds)}"
+        if any(master for _, _, master in worlds):
+            assert any(rank == 0 for rank, _, _ in worlds), f"{path.name}: {sorted(worlds)}"
 
 
 def test_a_worker_frozen_before_its_first_step_is_replaced_as_fast_and_reported_consistently(

@@ -25,7 +25,6 @@ import dataclasses
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -72,7 +71,6 @@ class Supervisor:
         self.relay = OutputRelay(stdout or sys.stdout, stderr or sys.stderr, config.prefix_output)
         self.workers: list[Worker] = []
         self.store: Any = None
-        self._listener: socket.socket | None = None  # the store's socket, bound and not yet served
         self.secret = auth.JobSecret.generate()  # replaced by the job's when the launch meets the others
         self.board: JobBoard | None = None
         self._exits: queue.Queue[Worker] = queue.Queue()
@@ -92,7 +90,6 @@ class Supervisor:
             with self._stop_signals_handled(), self._rendezvous() as master_port:
                 try:
                     self.start_workers(master_port)
-                    self._serve_store()
                     result = self.watch()
                 finally:
                     from phalanx.comm.shm import remove_job_segments  # with torch, loaded once the workers run
@@ -283,14 +280,6 @@ class Supervisor:
         self.terminate_all()
         return LaunchResult(exit_code=128 + signum, stop_signal=signum, workers_stopped=running)
 
-    def _serve_store(self) -> None:
-        """Serve the store on the socket bound for it, if not yet, and seal the job's name into it."""
-        if self._listener is None:
-            return
-        listener, self._listener = self._listener, None
-        self.store = host_store(self.config.master_addr, listener, self.config.timeout_s)
-        job_secret.publish(self.store, self.secret, job_id())
-
     @contextlib.contextmanager
     def _rendezvous(self) -> Iterator[int]:
         """Host the store for the job's lifetime (node 0), and yield the port the workers meet on.
@@ -300,14 +289,12 @@ class Supervisor:
         """
         config = self.config
         self.secret, saved = job_secret.resolve(config.hosts_store, config.max_nodes > 1, self._say)
-        listener = bind_store(config.master_addr, config.master_port) if config.hosts_store else None
-        port = listener.getsockname()[1] if listener is not None else config.master_port
-        if listener is not None:
-            # Served before any worker starts. Serving it after (so that the workers' imports overlap
-            # the launcher's) left the launcher's first look at its workers late enough to misjudge
-            # which failed first (a flaky test_launcher case): not done until that is settled.
-            self._listener = listener
-            self._serve_store()
+        port = config.master_port
+        if config.hosts_store:  # served before any worker starts, the job's name sealed into it
+            listener = bind_store(config.master_addr, config.master_port)
+            port = listener.getsockname()[1]
+            self.store = host_store(config.master_addr, listener, config.timeout_s)
+            job_secret.publish(self.store, self.secret, job_id())
         elif config.max_nodes > 1 or config.elastic:
             self.store = connect_store(config.master_addr, config.master_port, config.timeout_s)
             job_secret.prove(self.store, self.secret, config.node_rank, config.elastic)
@@ -317,9 +304,6 @@ class Supervisor:
         try:
             yield port
         finally:
-            if self._listener is not None:  # never served: the launch failed before
-                self._listener.close()
-                self._listener = None
             self.board = None
             self.store = None
             if saved is not None:

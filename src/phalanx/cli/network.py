@@ -27,8 +27,8 @@ POLL_INTERVAL_S = 0.1
 
 def bind_store(master_addr: str, master_port: int) -> socket.socket:
     """The store's listening socket: on ``master_addr`` when that is an address of this host (so
-    the default, 127.0.0.1, keeps the store on loopback), on every interface otherwise; port 0
-    picks a free port. Binding needs no PyTorch, so workers can start while the store loads."""
+    the default, 127.0.0.1, keeps the store on loopback, where a ``TCPStore`` left to bind its own
+    port listens on every interface), on every interface otherwise; port 0 picks a free port."""
     try:
         return listen_socket(master_addr, master_port)
     except OSError as error:
@@ -39,8 +39,7 @@ def bind_store(master_addr: str, master_port: int) -> socket.socket:
 
 
 def host_store(master_addr: str, listener: socket.socket, timeout_s: float | None) -> TCPStore:
-    """Serve the rendezvous ``TCPStore`` in this process on ``listener`` (:func:`bind_store`);
-    clients that connected before it served wait in the socket's backlog."""
+    """Serve the rendezvous ``TCPStore`` in this process on ``listener`` (:func:`bind_store`)."""
     import torch.distributed as dist  # imported here: only the launching process needs the store
 
     port = listener.getsockname()[1]

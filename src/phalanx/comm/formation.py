@@ -2,25 +2,30 @@
 shared-memory segment of each host, the groups that join hosts; or adopting the user's group.
 
 Every function here returns a new :class:`~phalanx.comm.communicator.Communicator` or a part of
-one; none keeps state. Store keys of generation ``g`` live under :func:`prefix` so that a later
+one; none keeps state: an elastic worker's generations come from :func:`next_generation`, which asks
+the launcher's coordinator through the worker's ``ElasticClient`` and forms the group it answers. Store keys of generation ``g`` live under :func:`prefix` so that a later
 generation, or a later ``init`` after ``shutdown`` in the same job, never meets an earlier one's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets
 import socket
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from phalanx import faults
 from phalanx.comm import shm
 from phalanx.comm.communicator import Communicator, created_by_first
 from phalanx.comm.environment import LaunchInfo
-from phalanx.comm.membership import socket_inodes, sockets_since
+from phalanx.comm.membership import (START_TIMEOUT_S, ElasticClient, Membership, MembershipClosed, socket_inodes,
+                                     sockets_since)
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.sealed_store import sealing
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
@@ -174,3 +179,94 @@ def adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.devic
     backend = dist.get_backend()
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return Communicator(adopted, timeout_s, backend, device, store=None, cpu_group=cpu_group)
+
+# --- elastic generations: the launcher's coordinator says who forms each one ----------------------
+
+FORMATION_POLL_S = 0.01
+
+
+def next_generation(client: ElasticClient, reason: str, generation: int, info: LaunchInfo, timeout_s: float,
+                    backend: str, device: torch.device, store: Any, transport: str, incarnation: int) -> Communicator:
+    """Ask the coordinator for a place after ``generation`` and form the group it answers; when a
+    member is lost while that group forms, mark it broken and ask for the one after. Returns the
+    whole communicator (a world of one, not a member, for a worker started after the job did)."""
+    while True:
+        answer = client.request(reason, generation, _rendezvous_timeout(timeout_s))
+        try:
+            return _communicator_for_answer(client, answer, info, timeout_s, backend, device, store, transport,
+                                            incarnation)
+        except CollectiveTimeoutError:
+            generation, reason = int(answer["generation"]), "failure"
+            try:
+                client.mark_broken(generation)
+            except (RuntimeError, OSError):
+                pass
+            leave_group(client)
+
+
+def leave_group(client: ElasticClient | None) -> None:
+    """Destroy this process's groups (after an abort nothing pending can hold it up)."""
+    if client is not None:
+        client.track(-1, {})
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):
+            pass  # already half torn down by the failure; a new default group can still be created
+
+
+def _rendezvous_timeout(timeout_s: float) -> float:
+    """How long a worker waits for the coordinator: it may first wait out a silent member's heartbeat
+    and then a member's rejoining (each within the timeout), or workers still starting."""
+    return max(2.0 * timeout_s, START_TIMEOUT_S) + 30.0
+
+
+def _communicator_for_answer(client: ElasticClient, answer: dict[str, Any], info: LaunchInfo, timeout_s: float,
+                             backend: str, device: torch.device, store: Any, transport: str,
+                             incarnation: int) -> Communicator:
+    """Build the communicator the coordinator's answer describes (forming the new group), or raise."""
+    alone = dataclasses.replace(info, rank=0, world_size=1)
+    status = answer.get("status")
+    if status == "late":  # the job already runs: px.elastic.run() asks for admission
+        return Communicator(alone, timeout_s, backend, device, store=store, generation=-1, transport=transport)
+    if status != "ok":
+        raise MembershipClosed(answer.get("message", f"the coordinator answered {answer}"), str(status),
+                               bool(answer.get("save", False)))
+    generation = int(answer["generation"])
+    members = tuple(int(m) for m in answer["members"])
+    rank = members.index(client.member)
+    view = Membership(generation, rank, len(members), members, tuple(answer.get("lost", ())),
+                      tuple(answer.get("joined", ())), str(answer.get("reason", "start")),
+                      float(answer.get("event_time", 0.0)))
+    placed = dataclasses.replace(info, rank=rank, world_size=len(members))
+    keys = prefix(generation, incarnation)
+    faults.point("reform.group" if generation > 0 else "init.group")
+    _await_members(client, store, keys, generation, len(members), timeout_s)
+    if len(members) == 1:
+        client.track(generation, {})
+        return Communicator(placed, timeout_s, backend, device, store=store, generation=generation, prefix=keys,
+                            membership=view, transport=transport, on_sockets=client.track)
+    if generation > 0:
+        faults.point("reform.connect")
+    client.track(generation, {}, forming_since=socket_inodes())
+    forming = store.clone()  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
+    made = create_group(placed, timeout_s, backend, device, keys=keys, store=store, generation=generation,
+                        transport=transport, rendezvous=forming)
+    client.track(generation, made.sockets if backend == "gloo" else {})
+    made.membership, made.on_sockets = view, client.track
+    return made
+
+
+def _await_members(client: ElasticClient, store: Any, keys: str, generation: int, size: int,
+                   timeout_s: float) -> None:
+    """Wait until every member of ``generation`` is here to form its group; raise at once when the
+    coordinator declares one lost meanwhile (a group formed without it would wait out the timeout)."""
+    arrived = f"{keys}arrived"
+    store.add(arrived, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(arrived, 0) < size:
+        if client.broken(generation) or time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"forming generation {generation} of the elastic group failed: a member was lost before all "
+                f"{size} arrived.")
+        time.sleep(FORMATION_POLL_S)

@@ -14,10 +14,8 @@ clear error instead of a dead group.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import sys
-import time
 from typing import Any
 
 import torch
@@ -27,21 +25,12 @@ from phalanx import faults
 from phalanx.comm import auth, cost, devices, formation, shm
 from phalanx.comm.communicator import Communicator
 from phalanx.comm.environment import LaunchInfo, detect
-from phalanx.comm.membership import (
-    START_TIMEOUT_S,
-    ElasticClient,
-    Keys,
-    Membership,
-    MembershipClosed,
-    shutdown_sockets,
-    socket_inodes,
-)
+from phalanx.comm.membership import ElasticClient, Membership, shutdown_sockets
 from phalanx.comm.ordered import OrderedExecutor
-from phalanx.errors import CollectiveTimeoutError, ConfigurationError, NotInitializedError
+from phalanx.errors import ConfigurationError, NotInitializedError
 
 DEFAULT_TIMEOUT_S = 300.0
 TRANSPORTS = ("auto", "shm", "gloo")
-FORMATION_POLL_S = 0.01
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +197,8 @@ def node_rank() -> int:
 def is_master() -> bool:
     """True on rank 0, the worker that writes checkpoints and logs; never for an elastic worker
     that is not a member of a generation (started after the job did and not yet admitted)."""
-    return rank() == 0 and (_current is None or _current.generation >= 0)
+    current = _current  # read once: another thread's re-form may replace it meanwhile
+    return current is None or (current.rank == 0 and current.generation >= 0)
 
 
 def worker_id() -> int:
@@ -353,7 +343,8 @@ def rejoin(reason: str = "failure") -> Membership:
 
     ``reason`` is ``"failure"`` (a collective failed: the generation is marked broken first),
     ``"planned"`` (every member reached the agreed step boundary) or ``"join"`` (a worker started
-    after the job did asks to be admitted). Raises :class:`MembershipClosed` when there is no place.
+    after the job did asks to be admitted). Raises :class:`~phalanx.comm.membership.MembershipClosed`
+    when there is no place.
     """
     global _current
     old = communicator()
@@ -361,40 +352,16 @@ def rejoin(reason: str = "failure") -> Membership:
         raise ConfigurationError("rejoin() needs an elastic launch: `phalanx run --min-workers K ...`.")
     if reason == "failure":
         mark_broken()
-    _leave_group()
+    formation.leave_group(_elastic)
     old.close()
-    base = old.info
-    # while the next generation forms, this worker is a world of one (its queries stay answerable)
-    _current = Communicator(dataclasses.replace(base, rank=0, world_size=1), old.timeout_s, old.backend, old.device,
-                            store=old.store, generation=-1, transport=old.transport)
-    _current = _next_generation(reason, old.generation, base, old.timeout_s, old.backend, old.device, old.store,
-                                old.transport)
-    assert _current.membership is not None
-    return _current.membership
-
-
-def _next_generation(reason: str, generation: int, info: LaunchInfo, timeout_s: float, backend: str,
-                     device: torch.device, store: Any, transport: str) -> Communicator:
-    """Ask the coordinator for a place after ``generation`` and form the group it answers; when a
-    member is lost while that group forms, mark it broken and ask for the one after."""
-    assert _elastic is not None
-    while True:
-        answer = _elastic.request(reason, generation, _rendezvous_timeout(timeout_s))
-        try:
-            return _communicator_for_answer(answer, info, timeout_s, backend, device, store, transport)
-        except CollectiveTimeoutError:
-            generation, reason = int(answer["generation"]), "failure"
-            try:
-                _elastic.mark_broken(generation)
-            except (RuntimeError, OSError):
-                pass
-            _leave_group()
-
-
-def _rendezvous_timeout(timeout_s: float) -> float:
-    """How long a worker waits for the coordinator: it may first wait out a silent member's heartbeat
-    and then a member's rejoining (each within the timeout), or workers still starting."""
-    return max(2.0 * timeout_s, START_TIMEOUT_S) + 30.0
+    # While the next generation forms, the closed one stays current: other threads' queries (rank,
+    # size, is_master) answer its values, never a world that does not exist; its collectives raise
+    # GenerationClosedError. The new one replaces it in one assignment, once it is whole.
+    formed = formation.next_generation(_elastic, reason, old.generation, old.info, old.timeout_s, old.backend,
+                                       old.device, old.store, old.transport, _incarnation)
+    assert formed.membership is not None
+    _current = formed
+    return formed.membership
 
 
 def _init_elastic(info: LaunchInfo, member: int, timeout_s: float, backend: str, device: torch.device,
@@ -404,65 +371,5 @@ def _init_elastic(info: LaunchInfo, member: int, timeout_s: float, backend: str,
     secret = auth.required("an elastic worker", "start elastic jobs with phalanx run")
     store = formation.connect_store(info, timeout_s)
     _elastic = ElasticClient(store, member, secret)
-    return _next_generation("start", -1, info, timeout_s, backend, device, store, transport)
-
-
-def _communicator_for_answer(answer: dict[str, Any], info: LaunchInfo, timeout_s: float, backend: str,
-                             device: torch.device, store: Any, transport: str = "auto") -> Communicator:
-    """Build the communicator the coordinator's answer describes (forming the new group), or raise."""
-    assert _elastic is not None
-    alone = dataclasses.replace(info, rank=0, world_size=1)
-    status = answer.get("status")
-    if status == "late":  # the job already runs: px.elastic.run() asks for admission
-        return Communicator(alone, timeout_s, backend, device, store=store, generation=-1, transport=transport)
-    if status != "ok":
-        raise MembershipClosed(answer.get("message", f"the coordinator answered {answer}"), str(status),
-                               bool(answer.get("save", False)))
-    generation = int(answer["generation"])
-    members = tuple(int(m) for m in answer["members"])
-    rank = members.index(_elastic.member)
-    view = Membership(generation, rank, len(members), members, tuple(answer.get("lost", ())),
-                      tuple(answer.get("joined", ())), str(answer.get("reason", "start")),
-                      float(answer.get("event_time", 0.0)))
-    placed = dataclasses.replace(info, rank=rank, world_size=len(members))
-    keys = formation.prefix(generation, _incarnation)
-    faults.point("reform.group" if generation > 0 else "init.group")
-    _await_members(store, keys, generation, len(members), timeout_s)
-    if len(members) == 1:
-        _elastic.track(generation, {})
-        return Communicator(placed, timeout_s, backend, device, store=store, generation=generation, prefix=keys,
-                            membership=view, transport=transport, on_sockets=_elastic.track)
-    if generation > 0:
-        faults.point("reform.connect")
-    _elastic.track(generation, {}, forming_since=socket_inodes())
-    forming = store.clone()  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
-    made = formation.create_group(placed, timeout_s, backend, device, keys=keys, store=store, generation=generation,
-                                  transport=transport, rendezvous=forming)
-    _elastic.track(generation, made.sockets if backend == "gloo" else {})
-    made.membership, made.on_sockets = view, _elastic.track
-    return made
-
-
-def _await_members(store: Any, keys: str, generation: int, size: int, timeout_s: float) -> None:
-    """Wait until every member of ``generation`` is here to form its group; raise at once when the
-    coordinator declares one lost meanwhile (a group formed without it would wait out the timeout)."""
-    arrived = f"{keys}arrived"
-    store.add(arrived, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(arrived, 0) < size:
-        if _elastic.broken(generation) or time.monotonic() > deadline:
-            raise CollectiveTimeoutError(
-                f"forming generation {generation} of the elastic group failed: a member was lost before all "
-                f"{size} arrived.")
-        time.sleep(FORMATION_POLL_S)
-
-
-def _leave_group() -> None:
-    """Destroy this process's groups (after an abort nothing pending can hold it up)."""
-    if _elastic is not None:
-        _elastic.track(-1, {})
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except (RuntimeError, ValueError):
-            pass  # already half torn down by the failure; a new default group can still be created
+    return formation.next_generation(_elastic, "start", -1, info, timeout_s, backend, device, store, transport,
+                                     _incarnation)
