@@ -8,6 +8,7 @@ index that must give the right sum (the ranks are still in step)."""
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any, Iterator
 
 import numpy as np
@@ -82,7 +83,7 @@ def _keys() -> Iterator[Key]:
             for collective in ("allreduce_", "reduce", "reduce_", "reduce_scatter", "broadcast", "broadcast_",
                                "allgather", "alltoall"):
                 yield collective, name, layout, "sum", "backend"
-    for bad in ("op", "algorithm", "root", "splits", "pickle_root", "pickle_any"):
+    for bad in ("op", "algorithm", "root", "splits", "pickle_root", "pickle_any", "safe_root", "safe_any"):
         yield "wrong_on_rank_1", "float32", "contiguous", bad, "backend"
 
 
@@ -109,6 +110,9 @@ def _wrong_on_rank_1(what: str, x: torch.Tensor) -> Any:
         "splits": lambda: px.alltoall(x, splits=[2, 1] if wrong else [1, 1]),
         "pickle_root": lambda: px.broadcast_object((lambda: 0) if wrong else None, root=1),
         "pickle_any": lambda: px.allgather_object((lambda: 0) if wrong else 0),
+        # picklable, but not what torch.load(weights_only=True) reads: refused by the safe codec
+        "safe_root": lambda: px.broadcast_object(pathlib.PurePosixPath("x") if wrong else None, root=1, safe=True),
+        "safe_any": lambda: px.allgather_object(pathlib.PurePosixPath("x") if wrong else 0, safe=True),
     }[what]()
 
 

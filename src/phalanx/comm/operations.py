@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import contextvars
-import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import algorithms, cost, shm, wire
+from phalanx.comm import algorithms, codec, cost, shm, wire
 from phalanx.comm.handles import FutureWork, Handle, chain, done
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.errors import (
@@ -457,57 +456,60 @@ class Collectives:
         return done(None, async_op)
 
     @overload
-    def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[False] = ...) -> Any: ...
+    def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[False] = ...,
+                         safe: bool = ...) -> Any: ...
 
     @overload
-    def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[True]) -> Handle[Any]: ...
+    def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[True],
+                         safe: bool = ...) -> Handle[Any]: ...
 
     @_when_open
-    def broadcast_object(self, obj: Any = None, root: int = 0, *, async_op: bool = False) -> Any:
-        """Return ``root``'s picklable object on every rank.
+    def broadcast_object(self, obj: Any = None, root: int = 0, *, async_op: bool = False, safe: bool = False) -> Any:
+        """Return ``root``'s object on every rank, through :mod:`phalanx.comm.codec`.
 
-        The object is unpickled, so it can run code: this trusts every peer of the group, which
-        under ``phalanx run`` are processes that proved they hold the job's secret
-        (docs/security.md). An object the root cannot pickle raises :class:`ConfigurationError`
-        on every rank.
+        By default the object is pickled, so it can run code when it arrives: this trusts every peer
+        of the group, which under ``phalanx run`` are processes that proved they hold the job's
+        secret (docs/security.md). ``safe=True`` sends only what ``torch.load(weights_only=True)``
+        reads (tensors, numbers, strings, containers of them). An object the root cannot send that
+        way raises :class:`ConfigurationError` on every rank, naming why.
         """
         self._check_root(root)
         if self._size() == 1:
             return done(obj, async_op)
-        payload, error = _pickled(obj) if self._rank() == root else (torch.empty(0, dtype=torch.uint8), None)
-        length = self.broadcast_(torch.tensor([-1 if error else payload.numel()], dtype=torch.int64), root, check=False)
-        if int(length) < 0:
-            raise ConfigurationError(f"broadcast_object: the root, rank {root}, could not pickle its object (its "
-                                     "traceback says why). Every rank raises this error.") from error
+        payload, problem = codec.encoded(obj, safe) if self._rank() == root else (torch.empty(0, dtype=torch.uint8), None)
+        length = self.broadcast_(torch.tensor([-1 if problem else payload.numel()], dtype=torch.int64), root, check=False)
+        if int(length) < 0:  # the same message on every rank; the root's says why in its cause
+            raise ConfigurationError(f"broadcast_object: the root, rank {root}, could not encode its object"
+                                     f"{_SAFE_HINT if safe else ''}. Every rank raises this error.") \
+                from (ValueError(problem) if problem else None)
         if self._rank() != root:
             payload = torch.empty(int(length), dtype=torch.uint8)
         handle = self.broadcast_(payload, root, async_op=True, check=False)
-        return chain(handle, _from_bytes, async_op)
+        return chain(handle, lambda data: codec.decode(data, safe), async_op)
 
     @overload
-    def allgather_object(self, obj: Any, *, async_op: Literal[False] = ...) -> list[Any]: ...
+    def allgather_object(self, obj: Any, *, async_op: Literal[False] = ..., safe: bool = ...) -> list[Any]: ...
 
     @overload
-    def allgather_object(self, obj: Any, *, async_op: Literal[True]) -> Handle[list[Any]]: ...
+    def allgather_object(self, obj: Any, *, async_op: Literal[True], safe: bool = ...) -> Handle[list[Any]]: ...
 
     @_when_open
-    def allgather_object(self, obj: Any, *, async_op: bool = False) -> list[Any] | Handle[list[Any]]:
-        """Return the list of every rank's picklable object, in rank order.
-
-        The objects are unpickled, so they can run code: this trusts every peer of the group, as
-        :meth:`broadcast_object` does. An object some rank cannot pickle raises
-        :class:`ConfigurationError` on every rank.
-        """
+    def allgather_object(self, obj: Any, *, async_op: bool = False,
+                         safe: bool = False) -> list[Any] | Handle[list[Any]]:
+        """Return the list of every rank's object, in rank order, encoded as :meth:`broadcast_object`
+        encodes (pickled and trusted by default; ``safe=True``: only what loads with ``weights_only``).
+        An object some rank cannot encode raises :class:`ConfigurationError` on every rank."""
         if self._size() == 1:
             return done([obj], async_op)
-        payload, error = _pickled(obj)
-        lengths = self.allgather(torch.tensor([-1 if error else payload.numel()], dtype=torch.int64), check=False).tolist()
+        payload, problem = codec.encoded(obj, safe)
+        lengths = self.allgather(torch.tensor([-1 if problem else payload.numel()], dtype=torch.int64), check=False).tolist()
         failed = [rank for rank, length in enumerate(lengths) if length < 0]
-        if failed:
-            raise ConfigurationError(f"allgather_object: rank(s) {failed} could not pickle their object (their "
-                                     "traceback says why). Every rank raises this error.") from error
+        if failed:  # the same message on every rank; a failed rank's says why in its cause
+            raise ConfigurationError(f"allgather_object: rank(s) {failed} could not encode their object"
+                                     f"{_SAFE_HINT if safe else ''}. Every rank raises this error.") \
+                from (ValueError(problem) if problem else None)
         handle = self.allgather(payload, async_op=True, check=False)
-        return chain(handle, lambda flat: [_from_bytes(piece) for piece in torch.split(flat, lengths)], async_op)
+        return chain(handle, lambda flat: [codec.decode(piece, safe) for piece in torch.split(flat, lengths)], async_op)
 
     @_when_open
     def join(self) -> int:
@@ -756,6 +758,8 @@ _PROBLEMS = ("", "op must be one of {ops}", "algorithm must be one of {algorithm
 _BAD_OP, _BAD_ALGORITHM, _BAD_ROOT, _TOO_MANY_DIMS, _BAD_SPLITS = range(1, len(_PROBLEMS))
 
 
+_SAFE_HINT = (" (safe=True sends tensors, numbers, strings, bytes, None and lists, tuples and dicts of them: what "
+              "torch.load(weights_only=True) reads)")
 _PEER_FAILURE_MARKS = ("timed out", "timeout", "connection", "closed", "reset", "broken pipe", "peer", "abort")
 
 
@@ -823,18 +827,6 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     padded = tensor.new_zeros((rows, *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
     return padded
-
-
-def _pickled(obj: Any) -> tuple[torch.Tensor, Exception | None]:
-    """``obj`` pickled into a uint8 tensor, or an empty one and the reason it cannot be."""
-    try:
-        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8), None
-    except Exception as error:  # noqa: BLE001 - pickling raises many types; every rank must learn of it
-        return torch.empty(0, dtype=torch.uint8), error
-
-
-def _from_bytes(payload: torch.Tensor) -> Any:
-    return pickle.loads(payload.numpy().tobytes())
 
 
 def _is_peer_failure(error: BaseException) -> bool:

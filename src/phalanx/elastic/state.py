@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import io
 import os
 import sys
 import time
@@ -402,32 +401,14 @@ def _broadcast_tree(tree: Any, root: int) -> Any:
 
 
 def _broadcast_structure(structure: Any, root: int) -> Any:
-    """``root``'s ``structure`` (containers, numbers, strings, dtypes, slots) on every rank; one that
-    ``torch.load(weights_only=True)`` would refuse raises :class:`ConfigurationError` on every rank."""
-    is_root = runtime.rank() == root
-    data, problem = _serialized(structure) if is_root else (b"", None)
-    length = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
-    collectives.broadcast_(length, root, check=False)
-    if int(length) < 0:
-        raise ConfigurationError(
-            f"the elastic state of rank {root} holds a value that cannot travel safely ({problem}): a state's values "
-            "must be tensors, numbers, strings, bytes, None, and lists, tuples and dicts of them (what "
-            "torch.load(weights_only=True) accepts). Keep other objects out of the state, or store their numbers.")
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root and data else \
-        torch.empty(int(length), dtype=torch.uint8)
-    collectives.broadcast_(payload, root, check=False)
-    if is_root:
-        return structure
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-
-
-def _serialized(structure: Any) -> tuple[bytes, str | None]:
-    """``structure`` as ``torch.save`` bytes, and why it would not load with ``weights_only`` (or None)."""
-    buffer = io.BytesIO()
-    torch.save(structure, buffer)
-    data = buffer.getvalue()
+    """``root``'s ``structure`` (containers, numbers, strings, dtypes, slots) on every rank, through the
+    safe codec; one that ``torch.load(weights_only=True)`` would refuse raises :class:`ConfigurationError`
+    on every rank."""
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any refusal: reported to every rank
-        return b"", str(error).splitlines()[0][:200]
-    return data, None
+        return collectives.broadcast_object(structure, root, safe=True)
+    except ConfigurationError as error:  # on every rank; the root's cause names the value's type
+        raise ConfigurationError(
+            f"the elastic state of rank {root} holds a value that cannot travel safely: a state's values "
+            "must be tensors, numbers, strings, bytes, None, and lists, tuples and dicts of them (what "
+            "torch.load(weights_only=True) accepts). Keep other objects out of the state, or store their numbers."
+        ) from error.__cause__ or error

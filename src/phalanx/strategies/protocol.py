@@ -11,11 +11,11 @@ header, and are loaded with ``weights_only=True``: nothing received can run code
 from __future__ import annotations
 
 import enum
-import io
 from typing import Any, NamedTuple
 
 import torch
 
+from phalanx.comm import codec
 from phalanx.comm.channel import Channel
 
 HEADER, VALUES, OBJECT, GROUP_TAG = 1, 2, 3, 16  # OBJECT + 1 carries the bytes
@@ -72,21 +72,9 @@ def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
 
 
-def encode(obj: Any) -> torch.Tensor:
-    """``obj`` as a uint8 tensor (``torch.save``: tensors, dicts, lists, numbers)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def decode(data: torch.Tensor) -> Any:
-    """The object :func:`encode` made; loaded with ``weights_only=True``."""
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-
-
 def send_object(channel: Channel, obj: Any) -> None:
-    """Send an object's length, then its bytes."""
-    data = encode(obj)
+    """Send an object's length, then its bytes (the safe codec: nothing a peer sends runs code here)."""
+    data = codec.encode(obj, safe=True)
     channel.send([torch.tensor([data.numel()], dtype=torch.int64), data], OBJECT)
 
 
@@ -95,4 +83,4 @@ def recv_object(channel: Channel) -> Any:
     channel.recv([length], OBJECT)
     data = torch.empty(int(length), dtype=torch.uint8)
     channel.recv([data], OBJECT + 1)
-    return decode(data)
+    return codec.decode(data, safe=True)

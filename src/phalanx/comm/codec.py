@@ -1,0 +1,69 @@
+"""Objects as bytes for another rank: the one codec of every object phalanx sends.
+
+Two ways, chosen by the caller with ``safe``:
+
+- **safe** (``torch.save``, read back with ``torch.load(weights_only=True)``): tensors, numbers,
+  strings, bytes, ``None``, dtypes and lists, tuples and dicts of them. Loading runs no code, so it
+  suits what comes from anywhere (an elastic state's values, a parameter server's requests). An
+  object that would not load is refused before it is sent, with the reason.
+- **trusted** (``pickle``): any picklable object. Unpickling can run code, so it trusts every peer
+  of the group; under ``phalanx run`` they are processes that proved they hold the job's secret
+  (docs/security.md). Used by ``px.broadcast_object`` / ``px.allgather_object`` by default.
+
+Both give a uint8 tensor that a collective or a channel carries like any other.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigurationError
+
+__all__ = ["encode", "decode", "encoded"]
+
+
+def encoded(obj: Any, safe: bool) -> tuple[torch.Tensor, str | None]:
+    """``obj`` as a uint8 tensor, or an empty one and why it cannot travel this way (every rank
+    must learn that, so the caller sends the reason's existence before any payload)."""
+    try:
+        data = _safe_bytes(obj) if safe else pickle.dumps(obj)
+    except Exception as error:  # noqa: BLE001 - pickling and torch.save raise many types
+        return torch.empty(0, dtype=torch.uint8), _first_line(error)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8), None
+
+
+def encode(obj: Any, safe: bool) -> torch.Tensor:
+    """``obj`` as a uint8 tensor; raises :class:`ConfigurationError` naming why it cannot travel this way."""
+    data, problem = encoded(obj, safe)
+    if problem is not None:
+        kind = "safely (what torch.load(weights_only=True) reads: tensors, numbers, strings, containers)" if safe \
+            else "by pickle"
+        raise ConfigurationError(f"a {type(obj).__name__} cannot be sent to another rank {kind}: {problem}")
+    return data
+
+
+def decode(data: torch.Tensor, safe: bool) -> Any:
+    """The object :func:`encode` made of ``data`` (with the same ``safe``)."""
+    raw = data.numpy().tobytes()
+    return torch.load(io.BytesIO(raw), weights_only=True) if safe else pickle.loads(raw)
+
+
+def _safe_bytes(obj: Any) -> bytes:
+    """``torch.save``'s bytes of ``obj``, checked to load back with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    torch.load(io.BytesIO(data), weights_only=True)  # raises on what a receiver would refuse
+    return data
+
+
+def _first_line(error: BaseException) -> str:
+    """The line of ``error`` that says why (``torch.load``'s refusal names the global it would not load
+    several lines down)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    telling = [line for line in lines if "Unsupported global" in line or "Can't pickle" in line]
+    return (telling or lines or [type(error).__name__])[0][:200]
