@@ -34,16 +34,14 @@ _lock = threading.Lock()
 
 def _server_for(environment: Mapping[str, str]) -> ForkServer | None:
     """The session's server for these start-up settings (started at first use), or ``None``."""
-    settings = tuple(sorted((k, v) for k, v in WorkerSpec.shared_environment(environment).items()
-                            if k.startswith(STARTUP_PREFIXES)))
+    shared = WorkerSpec.shared_environment(environment)
+    settings = tuple(sorted((k, v) for k, v in shared.items() if k.startswith(STARTUP_PREFIXES)))
     with _lock:
         server = _servers.get(settings)
         if server is None and len(_servers) < MAX_SERVERS:
-            server = _servers[settings] = ForkServer(WorkerSpec.shared_environment(environment), preload=[TORCHDYNAMO])
+            server = _servers[settings] = ForkServer(shared, preload=[TORCHDYNAMO])
             server.start()
-    if server is None or not server.serves(WorkerSpec.shared_environment(environment)):
-        return None
-    return server
+    return server if server is not None and server.serves(shared) else None
 
 
 @atexit.register
