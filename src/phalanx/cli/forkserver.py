@@ -203,7 +203,8 @@ class ForkServer:
               stdout: int | None = None, stderr: int | None = None) -> ForkedProcess:
         """Fork a process running ``worker_main``'s ``argv`` (a script, or ``-m`` and a module) with
         ``environment`` in ``cwd``. ``stdout`` and ``stderr`` are descriptors it writes to (a log
-        file, both the same one); each left ``None`` comes back as a pipe, as ``Popen(..., stdout=PIPE)``'s."""
+        file; both may be the same one); each left ``None`` comes back as a pipe, as with
+        ``Popen(..., stdout=PIPE)``."""
         assert self._socket is not None
         pipes = {name: os.pipe() for name, given in (("stdout", stdout), ("stderr", stderr)) if given is None}
         ends = [pipes["stdout"][1] if stdout is None else stdout, pipes["stderr"][1] if stderr is None else stderr]
