@@ -64,26 +64,19 @@ class ElasticSupervisor(Supervisor):
                 rendezvous_timeout_s=config.timeout_s or DEFAULT_STORE_TIMEOUT_S,
                 start_timeout_s=max(config.timeout_s or DEFAULT_STORE_TIMEOUT_S, START_TIMEOUT_S)), log=self._say)
             self.coordinator.start()
-        # Every worker of this host is announced before any starts: generation 0 then waits for all
-        # of them (a forked worker's request reached the coordinator before its sibling was announced,
-        # and the job formed without it)
-        for spec in [self._announced(spec) for spec in self.config.worker_specs(master_port)]:
-            self._start_member(spec)
-        for spec in self.config.server_specs(master_port):
-            Supervisor.start_worker(self, spec)  # a server is never an elastic member
+        super().start_workers(master_port)
 
-    def start_worker(self, spec: WorkerSpec) -> Worker:
-        """Give the worker a member id, announce it to the coordinator, start it."""
-        return self._start_member(self._announced(spec))
-
-    def _announced(self, spec: WorkerSpec) -> WorkerSpec:
-        """``spec`` with a member id of its own, announced to the coordinator."""
+    def prepared(self, spec: WorkerSpec) -> WorkerSpec:
+        """``spec`` with a member id of its own, announced to the coordinator. Every worker of this host
+        is announced before any starts, so generation 0 waits for all of them (a forked worker's
+        request reached the coordinator before its sibling was announced, and the job formed without it)."""
         member = int(self.store.add(MEMBER_COUNTER, 1))
         self._post({"type": "spawn", "member": member, "node": spec.node_rank, "local_rank": spec.local_rank,
                     "label": str(spec.rank)})
         return dataclasses.replace(spec, variables={**spec.variables, MEMBER_ENV: str(member)})
 
-    def _start_member(self, spec: WorkerSpec) -> Worker:
+    def start_worker(self, spec: WorkerSpec) -> Worker:
+        """Start a :meth:`prepared` worker and remember its member id."""
         worker = super().start_worker(spec)
         self.members[worker] = int(spec.variables[MEMBER_ENV])
         return worker

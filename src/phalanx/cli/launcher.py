@@ -105,11 +105,16 @@ class Supervisor:
         return result
 
     def start_workers(self, master_port: int) -> None:
-        """Start one worker per local spec, then this host's parameter servers (``--servers``)."""
-        for spec in self.config.worker_specs(master_port):
+        """Start one worker per local spec, then this host's parameter servers (``--servers``).
+        Every spec is :meth:`prepared` before any worker starts."""
+        for spec in [self.prepared(spec) for spec in self.config.worker_specs(master_port)]:
             self.start_worker(spec)
         for spec in self.config.server_specs(master_port):
             Supervisor.start_worker(self, spec)  # a server is never an elastic member
+
+    def prepared(self, spec: WorkerSpec) -> WorkerSpec:
+        """A worker's spec as it will start (the elastic supervisor gives each a member id)."""
+        return spec
 
     def start_worker(self, spec: WorkerSpec) -> Worker:
         """Start one worker and watch it; it joins :attr:`workers` only once its process exists.
