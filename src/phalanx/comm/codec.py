@@ -23,7 +23,11 @@ import torch
 
 from phalanx.errors import ConfigurationError
 
-__all__ = ["encode", "decode", "encoded"]
+__all__ = ["SAFE_CONTENTS", "encode", "decode", "encoded"]
+
+#: What the safe way carries, in the words every error about it uses.
+SAFE_CONTENTS = ("tensors, numbers, strings, bytes, None, dtypes, and lists, tuples and dicts of them (what "
+                 "torch.load(weights_only=True) reads)")
 
 
 def encoded(obj: Any, safe: bool) -> tuple[torch.Tensor, str | None]:
@@ -40,8 +44,7 @@ def encode(obj: Any, safe: bool) -> torch.Tensor:
     """``obj`` as a uint8 tensor; raises :class:`ConfigurationError` naming why it cannot travel this way."""
     data, problem = encoded(obj, safe)
     if problem is not None:
-        kind = "safely (what torch.load(weights_only=True) reads: tensors, numbers, strings, containers)" if safe \
-            else "by pickle"
+        kind = f"safely (only {SAFE_CONTENTS})" if safe else "by pickle"
         raise ConfigurationError(f"a {type(obj).__name__} cannot be sent to another rank {kind}: {problem}")
     return data
 

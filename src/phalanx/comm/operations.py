@@ -758,8 +758,7 @@ _PROBLEMS = ("", "op must be one of {ops}", "algorithm must be one of {algorithm
 _BAD_OP, _BAD_ALGORITHM, _BAD_ROOT, _TOO_MANY_DIMS, _BAD_SPLITS = range(1, len(_PROBLEMS))
 
 
-_SAFE_HINT = (" (safe=True sends tensors, numbers, strings, bytes, None and lists, tuples and dicts of them: what "
-              "torch.load(weights_only=True) reads)")
+_SAFE_HINT = f" (safe=True sends only {codec.SAFE_CONTENTS})"
 _PEER_FAILURE_MARKS = ("timed out", "timeout", "connection", "closed", "reset", "broken pipe", "peer", "abort")
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from phalanx import faults, rng
 from phalanx.atomic import save_atomically
-from phalanx.comm import collectives, runtime
+from phalanx.comm import codec, collectives, runtime
 from phalanx.errors import CheckpointError, ConfigurationError, PhalanxError
 
 CHECKPOINT_FORMAT = "phalanx.elastic.State"
@@ -408,7 +408,6 @@ def _broadcast_structure(structure: Any, root: int) -> Any:
         return collectives.broadcast_object(structure, root, safe=True)
     except ConfigurationError as error:  # on every rank; the root's cause names the value's type
         raise ConfigurationError(
-            f"the elastic state of rank {root} holds a value that cannot travel safely: a state's values "
-            "must be tensors, numbers, strings, bytes, None, and lists, tuples and dicts of them (what "
-            "torch.load(weights_only=True) accepts). Keep other objects out of the state, or store their numbers."
+            f"the elastic state of rank {root} holds a value that cannot travel safely: a state's values must be "
+            f"{codec.SAFE_CONTENTS}. Keep other objects out of the state, or store their numbers."
         ) from error.__cause__ or error
