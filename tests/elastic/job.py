@@ -13,10 +13,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from phalanx.atomic import write_text_atomically
 
 torch.set_num_threads(1)
 
@@ -74,7 +77,7 @@ def hold(path: str, generation: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if os.path.exists(path) and open(path).read() == "join":
+    if os.path.exists(path) and Path(path).read_text() == "join":
         while runtime.generation_ending(generation) is None and time.monotonic() < deadline:
             time.sleep(0.02)
 
@@ -96,9 +99,7 @@ def watch_world(path: str) -> tuple["threading.Event", "threading.Thread"]:
             world = (px.rank(), px.size(), px.is_master())
             if world not in seen:
                 seen.add(world)
-                with open(path + ".tmp", "w") as handle:
-                    json.dump(sorted(seen), handle)
-                os.replace(path + ".tmp", path)
+                write_text_atomically(path, json.dumps(sorted(seen)))
             time.sleep(0.0002)
 
     watcher = threading.Thread(target=watch, daemon=True, name="watch-world")
@@ -139,10 +140,8 @@ def main() -> None:
                           checkpoint_path=args.checkpoint)
     changes: list[dict] = []
     communicators = [px.communicator()]  # one per generation seen: each earlier one must refuse to be used
-    if args.started_file:
-        with open(args.started_file + ".tmp", "w") as handle:  # membership None: started after the job did
-            handle.write("join" if elastic.membership() is None else "founder")
-        os.replace(args.started_file + ".tmp", args.started_file)
+    if args.started_file:  # membership None: started after the job did
+        write_text_atomically(args.started_file, "join" if elastic.membership() is None else "founder")
 
     @elastic.run
     def train(state: elastic.State) -> int:

@@ -3,8 +3,9 @@ shared-memory segment of each host, the groups that join hosts; or adopting the 
 
 Every function here returns a new :class:`~phalanx.comm.communicator.Communicator` or a part of
 one; none keeps state: an elastic worker's generations come from :func:`next_generation`, which asks
-the launcher's coordinator through the worker's ``ElasticClient`` and forms the group it answers. Store keys of generation ``g`` live under :func:`prefix` so that a later
-generation, or a later ``init`` after ``shutdown`` in the same job, never meets an earlier one's.
+the launcher's coordinator through the worker's ``ElasticClient`` and forms the group it answers.
+Store keys of generation ``g`` live under :func:`prefix` so that a later generation, or a later
+``init`` after ``shutdown`` in the same job, never meets an earlier one's.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.devic
     backend = dist.get_backend()
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return Communicator(adopted, timeout_s, backend, device, store=None, cpu_group=cpu_group)
+
 
 # --- elastic generations: the launcher's coordinator says who forms each one ----------------------
 
