@@ -148,3 +148,11 @@ def test_importing_phalanx_leaves_dynamo_unloaded() -> None:
     loaded = subprocess.run([sys.executable, "-c", "import sys, phalanx; print('torch._dynamo' in sys.modules)"],
                             capture_output=True, text=True, timeout=60)
     assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr
+
+
+def test_the_training_loop_knows_strategies_only_through_their_interface() -> None:
+    """A new strategy is one new module: px.fit's loop imports strategies/base.py's interface, no strategy."""
+    readers = sorted(f"{name} imports {imported}" for name, path in MODULES.items() if part_of(name) == "train"
+                     for imported in imports_of(path)
+                     if imported.startswith("phalanx.strategies") and imported != "phalanx.strategies.base")
+    assert not readers, f"train/ modules importing a concrete strategy: {readers}"

@@ -1,20 +1,26 @@
-"""What px.fit's loop asks of a strategy: where parameters and optimizer state live.
+"""What px.fit's loop asks of a strategy: where parameters and optimizer state live, and who drives the epochs.
 
-A strategy is one small object (as Lightning's ``Strategy`` is): ``check`` refuses, before anything
-trains, the options it cannot honour (naming the pair); ``setup`` turns the user's model and
-optimizer into the ones the loop trains (a ``px.DataParallel`` and an optimizer whose ``step`` does
-what the strategy needs); ``finish``/``close`` end it cleanly or after a failure. ``asynchronous``
-says whether workers run in lockstep; ``nonfinite_agreement`` how every rank comes to the same
-decision about a non-finite step (:mod:`phalanx.train.finite`'s ``AGREEMENTS``). :class:`Replicated` (every worker holds everything, the
-default), :class:`~phalanx.strategies.central_storage.CentralStorage` and
+A strategy is one object (as Lightning's ``Strategy`` is) and one module; the loop knows it only
+through :class:`Strategy`, so a new strategy changes nothing in :mod:`phalanx.train`. ``check``
+refuses, before anything trains, the options it cannot honour (naming the pair); ``setup`` turns
+the user's model and optimizer into the ones the loop trains (a ``px.DataParallel`` and an
+optimizer whose ``step`` does what the strategy needs); ``train`` drives the epochs through the
+loop's :class:`Run` (the loop's own lockstep epochs unless the strategy has its own, as
+asynchronous parameter servers do); ``serve`` is a server process's whole ``fit``; ``committed``
+names what an elastic commit holds; ``worker_clipping`` where clipping happens; ``finish``/``close``
+end it cleanly or after a failure. ``asynchronous`` says whether workers run in lockstep;
+``nonfinite_agreement`` how every rank comes to the same decision about a non-finite step
+(:mod:`phalanx.train.finite`'s ``AGREEMENTS``). :class:`Replicated` (every worker holds
+everything, the default), :class:`~phalanx.strategies.central_storage.CentralStorage` and
 :class:`~phalanx.strategies.parameter_server.ParameterServer` implement it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
+import torch
 from torch import nn
 
 from phalanx.comm import runtime
@@ -49,19 +55,86 @@ class OptimizerLike(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Stateful(Protocol):
+    """What an elastic commit and a checkpoint copy: an object with a state dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Run(Protocol):
+    """One ``px.fit`` as a strategy's :meth:`Strategy.train` drives it.
+
+    ``state`` is the loop's :class:`~phalanx.train.state.TrainState` (model, optimizer, loader,
+    metrics, position, history), ``hooks`` its callbacks, ``val_loader`` the validation data or
+    ``None``. A strategy that keeps the workers in lockstep calls :meth:`lockstep`; one with its own
+    epochs takes its steps through the rest.
+    """
+
+    state: Any
+    hooks: Any
+    val_loader: Any
+
+    def lockstep(self) -> None:
+        """Train every remaining epoch with all workers in step, elastic or not: px.fit's own loop."""
+    def train_batch(self, batch: Any) -> bool:
+        """One optimizer step on this worker's ``batch`` (forward, backward, step); whether it stepped."""
+    def validate_batch(self, batch: Any, metrics: Sequence[Any]) -> None:
+        """Add a validation ``batch``'s loss and metrics to ``metrics`` (fresh ones: :meth:`fresh_metrics`)."""
+    def fresh_metrics(self) -> list[Any]:
+        """New, empty copies of the run's metrics."""
+    def follow_membership(self) -> bool:
+        """In an elastic job, join the next generation now if the group is changing; whether it did."""
+
+
 class Strategy(Protocol):
-    """Where the parameters and the optimizer state live (see the module's docstring)."""
+    """Where the parameters and the optimizer state live (see the module's docstring).
 
-    asynchronous: bool
-    nonfinite_agreement: str
+    Subclass it for the defaults below: the loop's lockstep epochs, no serving, a commit of the
+    model and the optimizer, clipping on the workers, nothing to tear down.
+    """
 
-    def check(self, options: FitOptions) -> None: ...
-    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]: ...
-    def finish(self, history: dict[str, Any] | None = None) -> None: ...
-    def close(self) -> None: ...
+    asynchronous: bool = False
+    nonfinite_agreement: str = "gradient"
+
+    def check(self, options: FitOptions) -> None:
+        """Refuse, naming the pair, what this strategy cannot honour (before anything trains)."""
+    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
+        """The model and optimizer the loop trains."""
+        raise NotImplementedError
+
+    def train(self, run: Run) -> None:
+        """Drive the epochs (after ``setup``, ``check`` and a resume): by default the loop's lockstep."""
+        run.lockstep()
+
+    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, train_tasks: int = 0,
+              val_tasks: int = 0, metric_values: int = 0, clipping: Clipping | None = None) -> dict[str, Any] | None:
+        """A server process's ``fit`` (``phalanx run --servers``): serve ``model``'s parameters with
+        ``optimizer`` until the workers are done (``train_tasks``/``val_tasks`` per epoch over all
+        workers, ``metric_values`` per task, ``clipping`` of what it applies); worker 0's history as
+        a state dict. Strategies without servers refuse."""
+        raise ConfigurationError(
+            f"this process is a parameter server (phalanx run --servers), but px.fit trains with "
+            f"{type(self).__name__}, which has none: pass strategy=px.ParameterServer(...), or launch without "
+            "--servers.")
+
+    def committed(self, model: DataParallel, optimizer: OptimizerLike) -> dict[str, Stateful]:
+        """What an elastic commit copies of the model and optimizer ``setup`` returned (every worker
+        holds them; the loop adds its position, the data and the schedules)."""
+        return {"model": model, "optimizer": optimizer}
+
+    def worker_clipping(self, clipping: Clipping | None) -> Clipping | None:
+        """The clipping workers apply before their optimizer step (``None`` where another place clips)."""
+        return clipping
+
+    def finish(self, history: dict[str, Any] | None = None) -> None:
+        """End after a finished run; ``history`` is the run's, as a state dict."""
+
+    def close(self) -> None:
+        """End after a failure."""
 
 
-class Replicated:
+class Replicated(Strategy):
     """Every worker holds the parameters and the optimizer state; gradients are averaged by
     ``px.DataParallel`` during backward. The default strategy."""
 
@@ -74,11 +147,10 @@ class Replicated:
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
         return wrap(model), optimizer
 
-    def finish(self, history: dict[str, Any] | None = None) -> None:
-        """Nothing to tear down."""
 
-    def close(self) -> None:
-        """Nothing to tear down."""
+def resolve(strategy: Strategy | None) -> Strategy:
+    """The strategy ``px.fit`` trains with: the one given, else :class:`Replicated`."""
+    return strategy if strategy is not None else Replicated()
 
 
 def wrap(model: nn.Module) -> DataParallel:

@@ -24,6 +24,7 @@ from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction, Waitable
 from phalanx.strategies.base import (
     FitOptions,
+    Strategy,
     refuse,
     refuse_parameter_servers_launched,
     refuse_without_replicas,
@@ -108,7 +109,7 @@ def move_into_shared_memory(params: Sequence[nn.Parameter], storage: int) -> Non
         param.data = view
 
 
-class CentralStorage:
+class CentralStorage(Strategy):
     """``px.fit(..., strategy=px.CentralStorage())``: the optimizer state on one rank only.
 
     ``rank`` is the storage rank (default 0); checkpoints need it to be 0, the rank that writes them.
@@ -157,9 +158,3 @@ class CentralStorage:
             raise ConfigurationError("CentralStorage(shared_memory=True) needs several CPU workers on one host "
                                      "with px.init(transport='auto' or 'shm'); use shared_memory='auto'.")
         return possible and self.shared_memory is not False
-
-    def finish(self, history: dict[str, Any] | None = None) -> None:
-        """Nothing to tear down."""
-
-    def close(self) -> None:
-        """Nothing to tear down."""

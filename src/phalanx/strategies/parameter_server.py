@@ -19,8 +19,10 @@ from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
-from phalanx.strategies.base import FitOptions, refuse, refuse_without_replicas, wrap
+from phalanx.strategies.base import (FitOptions, Run, Stateful, Strategy, refuse,
+                                     refuse_without_replicas, wrap)
 from phalanx.strategies.client import PushToServers, ServerClient, ServerOptimizer
+from phalanx.strategies.dealt_epochs import train_dealt
 from phalanx.strategies.dealer import Dealer
 from phalanx.strategies.placement import groups, place
 from phalanx.strategies.server import Server
@@ -29,7 +31,7 @@ from phalanx.strategies.shard import Shard
 MODES = ("sync", "async")
 
 
-class ParameterServer:
+class ParameterServer(Strategy):
     """``px.fit(..., strategy=px.ParameterServer(mode="sync" | "async", max_staleness=k))``.
 
     ``max_staleness`` (async only; ``None``: unbounded) holds a worker that has finished more
@@ -91,6 +93,22 @@ class ParameterServer:
         self.client.initialise()
         return wrapped, ServerOptimizer(optimizer, self.client)
 
+    def train(self, run: Run) -> None:
+        """Synchronous: the loop's lockstep epochs. Asynchronous: batches dealt by server 0."""
+        if not self.asynchronous:
+            run.lockstep()
+            return
+        assert self.client is not None, "setup comes first"
+        train_dealt(run, self.client)
+
+    def committed(self, model: DataParallel, optimizer: ServerOptimizer) -> dict[str, Stateful]:
+        """The step count of the optimizer: the servers hold its state and the parameters as of that step."""
+        return {"model": model, "optimizer": optimizer.position}
+
+    def worker_clipping(self, clipping: Clipping | None) -> Clipping | None:
+        """None: the servers clip the gradient they apply (the workers' own was pushed during backward)."""
+        return None
+
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Tell the servers this worker is done; worker 0 hands them the history."""
         if self.client is not None:
@@ -104,7 +122,7 @@ class ParameterServer:
     # --- server side ------------------------------------------------------------------------
 
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, train_tasks: int = 0,
-              val_tasks: int = 0, metric_values: int = 0, clipping: Clipping | None = None) -> Any:
+              val_tasks: int = 0, metric_values: int = 0, clipping: Clipping | None = None) -> dict[str, Any] | None:
         """Serve this process's shard until the workers are done; returns worker 0's history.
 
         ``train_tasks``/``val_tasks`` per epoch and ``metric_values`` matter in async mode on

@@ -36,18 +36,15 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.exact import ExactGradients
 from phalanx.sharding import mix_seed
-from phalanx.strategies.base import FitOptions, Replicated, Strategy
-from phalanx.strategies.client import ServerOptimizer
-from phalanx.strategies.parameter_server import ParameterServer
+from phalanx.strategies.base import FitOptions, Strategy, resolve as resolve_strategy
 from phalanx.train import callbacks as cb, checkpoint, finite, horizon, options, ray_session
-from phalanx.train.async_loop import train_async
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
 from phalanx.train.optimizers import OptimizerGroup
 from phalanx.train.precision import Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
-from phalanx.train.steps import (ManualStep, StepResult, evaluate_batches, loss_of, takes_step,
-                                 train_step)
+from phalanx.train.steps import (ManualStep, StepResult, evaluate_batch, evaluate_batches, loss_of,
+                                 takes_step, train_step)
 
 LOG_EVERY_STEPS = 10
 
@@ -91,7 +88,7 @@ class Loop:
         self.precision = resolve_precision(precision)
         self.clipping = Clipping.from_options(clip_grad_norm, clip_grad_value)
         self.verbose, self.log_dir = verbose, log_dir
-        self.strategy = strategy if strategy is not None else Replicated()
+        self.strategy = resolve_strategy(strategy)
         self.on_nonfinite = finite.check_policy(on_nonfinite)
         self.data_on_device = data_on_device
         self.plan: horizon.Plan | None = None
@@ -147,8 +144,7 @@ class Loop:
         self.plan = horizon.plan_for(loader, self.epochs, train_data)
         horizon.check_scheduler(rates.torch_scheduler, self.plan)
         if runtime.role() == "server":
-            return _serve(self.strategy, self.model, self.optimizer, loader, val_loader, len(self.metrics),
-                          self.clipping)
+            return self._serve(loader, val_loader)
         self._report_plan()
         self.state = self._start(loader, rates)
         ray = ray_session.RaySession.under_ray(self._checkpoint_folder())
@@ -200,11 +196,12 @@ class Loop:
         precision = Precision(self.precision, runtime.device())
         guard = finite.NonFiniteGuard(self.on_nonfinite, self.strategy.nonfinite_agreement, self.precision,
                                       self.clipping, late=finite.reads_late(runtime.device()))
-        self._manual = ManualStep(precision, self.clipping, guard)
+        clipping = self.strategy.worker_clipping(self.clipping)  # None where the strategy clips elsewhere
+        self._manual = ManualStep(precision, clipping, guard)
         micro = self.micro_batch_size
         return TrainState(self.model, self.optimizer, loader, self.epochs, seed=self.seed, metrics=self.metrics,
                           exact=ExactGradients(self.model, micro, self.seed) if micro else None,
-                          accumulate_steps=self.accumulate_steps, precision=precision, clipping=self.clipping,
+                          accumulate_steps=self.accumulate_steps, precision=precision, clipping=clipping,
                           guard=guard, rates=rates, loss_fn=self.loss_fn, training_step=self.training_step,
                           validation_step=self.validation_step,
                           manual=None if self.automatic_optimization else self._manual)
@@ -228,29 +225,52 @@ class Loop:
         prepare = functools.partial(_prepare, state, checkpoint_dir if self.resume else None, self.verbose, ray)
         state.lockstep = not self.strategy.asynchronous
         try:
-            if state.lockstep:
-                _train(state, hooks, val_loader, checkpoint_dir, prepare)
-            else:
-                prepare()
-                train_async(state, hooks, val_loader, self.strategy.client)
+            self.strategy.train(FitRun(state, hooks, val_loader, self.strategy, checkpoint_dir, prepare))
         except BaseException:
             self.strategy.close()
             raise
         self.strategy.finish(state.history.state_dict())
 
+    def _serve(self, loader: DistributedLoader, val_loader: DistributedLoader | None) -> History:
+        """A server process's ``fit``: the strategy serves until the workers are done; their history."""
+        shares = runtime.size()
+        history = self.strategy.serve(self.model, self.optimizer, train_tasks=len(loader) * shares,
+                                      val_tasks=len(val_loader) * shares if val_loader is not None else 0,
+                                      metric_values=2 * len(self.metrics), clipping=self.clipping)
+        return History.from_state_dict(history) if history is not None else History()
 
-def _serve(strategy: Strategy, model: nn.Module, optimizer: Any, loader: DistributedLoader,
-           val_loader: DistributedLoader | None, num_metrics: int, clipping: Clipping | None) -> History:
-    """A parameter server's ``fit``: serve its shard until the workers are done; their history."""
-    if not isinstance(strategy, ParameterServer):
-        raise ConfigurationError(
-            "this process is a parameter server (phalanx run --servers), so px.fit needs "
-            "strategy=px.ParameterServer(...); without one, launch without --servers.")
-    shares = runtime.size()
-    history = strategy.serve(model, optimizer, train_tasks=len(loader) * shares,
-                             val_tasks=len(val_loader) * shares if val_loader is not None else 0,
-                             metric_values=2 * num_metrics, clipping=clipping)
-    return History.from_state_dict(history) if history is not None else History()
+
+class FitRun:
+    """One :meth:`Loop.fit` as its strategy drives it (:class:`phalanx.strategies.base.Run`): the
+    loop's lockstep epochs, elastic or not, and the steps a strategy with its own epochs takes."""
+
+    def __init__(self, state: TrainState, hooks: cb.CallbackList, val_loader: DistributedLoader | None,
+                 strategy: Strategy, checkpoint_dir: str | Path | None, prepare: Callable[[], None]):
+        self.state, self.hooks, self.val_loader = state, hooks, val_loader
+        self.strategy, self.checkpoint_dir, self.prepare = strategy, checkpoint_dir, prepare
+
+    def lockstep(self) -> None:
+        """Every worker in lockstep, elastic or not."""
+        if elastic.enabled():
+            _train_elastic(self)
+        else:
+            self.prepare()
+            self.hooks.on_train_begin(self.state)
+            _train_epochs(self.state, self.hooks, self.val_loader, commit=lambda: None)
+        faults.point("train.end")
+        self.hooks.on_train_end(self.state)
+
+    def train_batch(self, batch: Any) -> bool:
+        return train_step(self.state, batch)
+
+    def validate_batch(self, batch: Any, metrics: Sequence[Metric]) -> None:
+        evaluate_batch(batch, self.state.validation_step, list(metrics), self.state.precision)
+
+    def fresh_metrics(self) -> list[Metric]:
+        return fresh_copies(self.state.metrics)
+
+    def follow_membership(self) -> bool:
+        return elastic.follow()
 
 
 def _prepare(state: TrainState, checkpoint_dir: str | Path | None, verbose: int,
@@ -294,36 +314,22 @@ def _report_resume(state: TrainState, path: Path, verbose: int, under_ray: bool)
             print(line, flush=True)
 
 
-def _train(state: TrainState, hooks: Any, val_loader: Any, checkpoint_dir: str | Path | None,
-           prepare: Callable[[], None]) -> None:
-    """Every worker in lockstep, elastic or not."""
-    if elastic.enabled():
-        _train_elastic(state, hooks, val_loader, checkpoint_dir, prepare)
-    else:
-        prepare()
-        hooks.on_train_begin(state)
-        _train_epochs(state, hooks, val_loader, commit=lambda: None)
-    faults.point("train.end")
-    hooks.on_train_end(state)
-
-
-def _train_elastic(state: TrainState, hooks: Any, val_loader: Any, checkpoint_dir: str | Path | None,
-                   prepare: Callable[[], None]) -> None:
-    """The same loop, committed after every step: a lost worker costs at most the step in flight.
+def _train_elastic(run: FitRun) -> None:
+    """The lockstep loop, committed after every step: a lost worker costs at most the step in flight.
 
     Everything collective happens inside the elastic protection: the replicas are made equal by the
     State's first sync, and the resume from a checkpoint is the first commit (``prepared``), so a
     worker lost at any moment after ``px.init()`` is survived like one lost mid-epoch.
     """
-    optimizer = state.optimizer.position if isinstance(state.optimizer, ServerOptimizer) else state.optimizer
-    objects = {"model": state.model, "optimizer": optimizer, "loader": state.loader,
+    state, hooks, val_loader = run.state, run.hooks, run.val_loader
+    objects = {**run.strategy.committed(state.model, state.optimizer), "loader": state.loader,
                "loop": LoopPosition(state), "precision": state.precision, "lr_schedule": state.rates,
                **({"val_loader": val_loader} if val_loader is not None else {}),
                **({"exact": state.exact} if state.exact is not None else {})}
     last = None
-    if checkpoint_dir is not None:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        last = Path(checkpoint_dir) / checkpoint.ELASTIC_LAST
+    if run.checkpoint_dir is not None:
+        Path(run.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        last = Path(run.checkpoint_dir) / checkpoint.ELASTIC_LAST
     carried = elastic.State(checkpoint_path=last, prepared=False, **objects)
     begun = False
 
@@ -331,7 +337,7 @@ def _train_elastic(state: TrainState, hooks: Any, val_loader: Any, checkpoint_di
         nonlocal begun
         state.guard.forget_pending()  # back at a committed state: the steps after it are checked again
         if not carried.prepared:
-            prepare()
+            run.prepare()
             carried.prepared = True
             carried.commit()
         if not begun:  # once per process: callbacks are this worker's own objects

@@ -1,8 +1,8 @@
-"""One training step, one evaluation pass, batches: shared by both loops.
+"""One training step, one evaluation pass, batches: shared by every way of driving epochs.
 
-``px.fit``'s loop (:mod:`phalanx.train.loop`) and the asynchronous parameter-server loop
-(:mod:`phalanx.train.async_loop`) run steps the same way; only how batches reach them differs.
-Both compute a batch's loss with the loop's step (``state.training_step(batch)``, a
+``px.fit``'s lockstep loop (:mod:`phalanx.train.loop`) and a strategy with epochs of its own (the
+asynchronous parameter servers' :mod:`phalanx.strategies.dealt_epochs`, through the loop's
+``FitRun``) run steps the same way; only how batches reach them differs. Both compute a batch's loss with the loop's step (``state.training_step(batch)``, a
 ``BatchStep``), whatever it is made of: ``loss_fn``, the user's ``step_fn`` or an overridden
 :meth:`~phalanx.train.loop.Loop.training_step`.
 """
