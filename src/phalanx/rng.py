@@ -1,6 +1,6 @@
 """This process's random generators (torch with CUDA, Python's ``random``, NumPy) as one thing.
 
-At the bottom beside ``sharding.py``: loader workers seed all of them, the same-data check draws
+At the bottom beside ``global_batch.py``: loader workers seed all of them, the same-data check draws
 samples under a fixed seed and puts them back, and elastic recovery restores them for a redone
 step; none of those layers may import another.
 """

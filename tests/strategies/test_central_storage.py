@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.comm import shm
-from phalanx.sharding import share_bounds
+from phalanx.global_batch import share_bounds
 from tests.harness import run_workers
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm here")

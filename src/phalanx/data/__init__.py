@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from phalanx.data.loader import DistributedLoader
 from phalanx.data.torch_loaders import from_dataloader
-from phalanx.sharding import (
+from phalanx.global_batch import (
     epoch_permutation,
     epoch_plan,
     epoch_seed,

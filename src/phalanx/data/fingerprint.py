@@ -19,7 +19,7 @@ import torch
 
 from phalanx import faults, rng
 from phalanx.data._batch import MapData, TensorData
-from phalanx.sharding import mix_seed
+from phalanx.global_batch import mix_seed
 from phalanx.errors import DataMismatchError
 
 __all__ = ["FIELDS", "SAMPLES_CHECKED", "check_same_data", "content_digest", "record_of", "sample_digest"]

@@ -24,7 +24,7 @@ from phalanx.data._device import copy_ahead, place, transfer_to
 from phalanx.data._prefetch import Prefetcher
 from phalanx.data._stream import chunked, mark_last, shuffle_buffer
 from phalanx.data.fingerprint import check_same_data, content_digest, record_of, sample_digest
-from phalanx.sharding import (
+from phalanx.global_batch import (
     epoch_plan,
     epoch_seed,
     local_share,

@@ -30,7 +30,7 @@ import torch.utils.deterministic
 from torch import nn
 
 from phalanx.comm import runtime
-from phalanx.sharding import mix_seed, share_bounds
+from phalanx.global_batch import mix_seed, share_bounds
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB
 from phalanx.parallel.data_parallel import DataParallel

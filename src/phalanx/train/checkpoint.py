@@ -29,7 +29,7 @@ import torch
 from phalanx import faults
 from phalanx.atomic import save_atomically
 from phalanx.comm import collectives, runtime
-from phalanx.sharding import mix_seed
+from phalanx.global_batch import mix_seed
 from phalanx.errors import CheckpointError
 from phalanx.train import checkpoint_io
 from phalanx.train.finite import first_nonfinite

@@ -35,7 +35,7 @@ from phalanx.data import DistributedLoader, from_dataloader
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.exact import ExactGradients
-from phalanx.sharding import mix_seed
+from phalanx.global_batch import mix_seed
 from phalanx.strategies.base import FitOptions, Strategy, resolve as resolve_strategy
 from phalanx.train import callbacks as cb, checkpoint, finite, horizon, options, ray_session
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.sharding import (
+from phalanx.global_batch import (
     epoch_permutation,
     epoch_plan,
     epoch_seed,

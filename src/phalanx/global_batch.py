@@ -1,4 +1,4 @@
-"""Pure index arithmetic for global-batch data parallelism.
+"""Which samples each rank reads: pure index arithmetic for global-batch data parallelism.
 
 Nothing here talks to other processes: every rank calls the same functions with the same
 arguments and gets the same answer, which is what keeps ranks in step without communication.
