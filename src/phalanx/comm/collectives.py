@@ -13,7 +13,9 @@ from typing import Callable, Concatenate, ParamSpec, TypeVar
 
 from phalanx.comm import cost, runtime
 from phalanx.comm.handles import Handle, then
-from phalanx.comm.operations import ALLREDUCE_ALGORITHMS, REDUCE_OPS, Collectives, Scope
+from phalanx.comm.operations import Collectives
+from phalanx.comm.routing import ALLREDUCE_ALGORITHMS, REDUCE_OPS
+from phalanx.comm.scopes import Scope
 
 P = ParamSpec("P")
 R = TypeVar("R")
