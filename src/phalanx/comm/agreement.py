@@ -14,9 +14,11 @@ every rank's record of a call can use them and raise with the same words:
   all_gather of int64s or in shared memory's first arrival); :func:`problem_code` judges a rank's
   own arguments into its ``problem``; :func:`reduction_detail` encodes an op with a root or an
   algorithm into its ``detail``.
-- :func:`compare` judges the records of every rank, by rank: it raises, or returns when the call
-  can go ahead. Horovod's negotiation (which compares its JSON records in its own ``_disagreement``)
-  could build a :func:`record` of each rank's submission and let :func:`compare` word its verdict.
+- :func:`compare` judges the records of every rank, keyed by rank (so a subgroup's ranks keep their
+  names): it raises, or returns when the call can go ahead. Horovod's negotiation, which today
+  compares its JSON records in its own ``_disagreement``, could make a :func:`record` of each rank's
+  submission (its kind named as one of :data:`OPERATIONS`, its op and root as the detail) and take
+  the message of the error :func:`compare` raises as its verdict.
 - :func:`read` turns a record back into its fields.
 
 :class:`Agreeing` is how a generation's collectives run the check: gathering the records (through
