@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
+from phalanx.comm import runtime
+from phalanx.comm.communicator import Attachment
 from tests.harness import run_workers
 
 
@@ -28,6 +30,43 @@ def test_world_of_one_needs_no_network_and_init_is_idempotent() -> None:
         first.allreduce(torch.ones(1))
     with pytest.raises(px.NotInitializedError, match=r"px.init\(\)"):
         px.communicator()
+
+
+class _Closable:
+    def __init__(self, name: str, closed: list[str]):
+        self.name, self.closed = name, closed
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+
+
+def test_what_a_layer_attaches_is_made_once_and_ends_with_its_generation() -> None:
+    first_key, second_key, plain_key = Attachment("first"), Attachment("second"), Attachment("plain")
+    closed: list[str] = []
+    made: list[str] = []
+
+    def make(name: str) -> _Closable:
+        made.append(name)
+        return _Closable(name, closed)
+
+    px.init()
+    generation = px.communicator()
+    assert runtime.attachment(first_key) is None and generation.attachment(first_key) is None
+    first = generation.attached(first_key, lambda: make("first"))
+    assert generation.attached(first_key, lambda: make("again")) is first and made == ["first"]
+    second = generation.attached(second_key, lambda: make("second"))
+    plain = generation.attached(plain_key, lambda: {"nothing": "to close"})
+    assert runtime.attachment(second_key) is second and runtime.attachment(plain_key) is plain
+    px.shutdown()
+    assert closed == ["second", "first"]  # with the generation, newest first
+    assert generation.attachment(first_key) is first and runtime.attachment(first_key) is None
+    with pytest.raises(px.GenerationClosedError, match="attaching late"):
+        generation.attached(Attachment("late"), lambda: make("late"))
+    px.init()
+    assert px.communicator().attachment(first_key) is None  # the next generation starts without
+    assert px.communicator().attached(first_key, lambda: make("next")) is not first
+    px.shutdown()
+    assert closed == ["second", "first", "next"] and made == ["first", "second", "next"]
 
 
 def test_timeout_comes_from_argument_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:

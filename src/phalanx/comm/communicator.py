@@ -5,15 +5,18 @@ elastic job re-forms; the one it replaces is closed first, and a collective call
 raises :class:`~phalanx.errors.GenerationClosedError` instead of using a dead group. The process's
 current communicator is held by :mod:`phalanx.comm.runtime` (``px.communicator()``); the
 collectives themselves are its methods (:class:`~phalanx.comm.operations.Collectives`).
-How a generation's groups are formed is :mod:`phalanx.comm.formation`.
+How a generation's groups are formed is :mod:`phalanx.comm.formation`. A layer above keeps what it
+holds per generation on the communicator itself (:meth:`Communicator.attached`), so that it ends with
+the generation and the next one starts without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,21 @@ from phalanx.comm.membership import Membership, socket_inodes, sockets_since
 from phalanx.comm.operations import Collectives
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.errors import ConfigurationError, GenerationClosedError
+
+T = TypeVar("T")
+
+
+class Attachment(Generic[T]):
+    """The key of one kind of object a layer above keeps per generation (:meth:`Communicator.attached`);
+    keys compare by identity, so two layers never share one by accident."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Attachment({self.name!r})"
 
 
 @dataclass(eq=False)
@@ -60,6 +78,9 @@ class Communicator(Collectives):
     closed: bool = dataclasses.field(default=False, init=False)
     #: what runs first when the generation ends (a layer above stopping its threads on these groups)
     closing: list[Callable[[], None]] = dataclasses.field(default_factory=list, init=False)
+    #: what layers above keep for this generation, by key (:meth:`attached`)
+    attachments: dict[Attachment[Any], Any] = dataclasses.field(default_factory=dict, init=False)
+    _attaching: threading.RLock = dataclasses.field(default_factory=threading.RLock, init=False, repr=False)
 
     @property
     def rank(self) -> int:  # type: ignore[override]
@@ -78,6 +99,26 @@ class Communicator(Collectives):
                 f"{operation} on rank {self.rank}: generation {self.generation} of the job has ended (elastic "
                 "re-forming or px.shutdown() closed it). Use px.communicator() for the current one, or the "
                 "px.* functions, which always do.")
+
+    def attached(self, key: Attachment[T], make: Callable[[], T]) -> T:
+        """This generation's object of ``key``: made by ``make()`` on first use, then the same one for
+        as long as the generation lasts. One with a ``close`` method is closed with the generation
+        (among ``closing``, newest first), and the next generation starts without it: a layer above
+        keeps its per-generation state here instead of in globals it must rebuild. ``make`` runs once,
+        whichever threads ask; where it is collective, every rank must ask at the same point."""
+        with self._attaching:
+            if key not in self.attachments:
+                self.ensure_open(f"attaching {key.name}")
+                made = self.attachments[key] = make()
+                close = getattr(made, "close", None)
+                if callable(close):
+                    self.closing.append(close)
+            return self.attachments[key]
+
+    def attachment(self, key: Attachment[T]) -> T | None:
+        """``key``'s object if :meth:`attached` made one on this generation (still there once it has
+        ended, closed), else ``None``; never makes one."""
+        return self.attachments.get(key)
 
     def group_for(self, tensor: torch.Tensor | None = None) -> dist.ProcessGroup | None:
         """The process group for a tensor: the default group for CUDA tensors, Gloo for CPU ones."""
@@ -128,8 +169,8 @@ class Communicator(Collectives):
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
     def close(self) -> None:
-        """End this generation: run its ``closing`` callbacks (newest first), stop its executors; later
-        calls raise :class:`GenerationClosedError`.
+        """End this generation: run its ``closing`` callbacks (newest first; the attachments' ``close``
+        among them), stop its executors; later calls raise :class:`GenerationClosedError`.
 
         The process groups themselves are torn down by :mod:`phalanx.comm.runtime`, which owns the
         default group that the next generation replaces.

@@ -16,19 +16,20 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from phalanx import faults
 from phalanx.comm import auth, cost, devices, formation, shm
-from phalanx.comm.communicator import Communicator
+from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.comm.environment import LaunchInfo, detect
 from phalanx.comm.membership import ElasticClient, Membership, shutdown_sockets
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.errors import ConfigurationError, NotInitializedError
 
+T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 300.0
 TRANSPORTS = ("auto", "shm", "gloo")
 
@@ -145,6 +146,14 @@ def communicator() -> Communicator:
     if _current is None:
         raise NotInitializedError("phalanx is not initialised: call `px.init()` first.")
     return _current
+
+
+def attachment(key: Attachment[T]) -> T | None:
+    """What a layer above keeps on the current generation under ``key``
+    (:meth:`Communicator.attachment <phalanx.comm.communicator.Communicator.attachment>`); ``None``
+    before ``init`` or where it has none."""
+    current = _current  # read once: another thread's re-form may replace it meanwhile
+    return current.attachment(key) if current is not None else None
 
 
 def communicator_or_alone() -> Communicator:
