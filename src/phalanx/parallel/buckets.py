@@ -113,11 +113,19 @@ class Bucket:
         return self.flat[: self.gradient_numel]
 
     def reset(self) -> None:
-        """Ready for the next backward."""
+        """Ready for the next backward (its buffer allocated again if :meth:`release` freed it)."""
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.flat.numel() * self.flat.element_size())
         self.pending = len(self.param_indices)
         self.packed = [False] * len(self.param_indices)
         self.state = BucketState.FILLING
         self.handle = None
+
+    def release(self) -> None:
+        """Free the buffer until the next backward: its sums were consumed (a sharded optimizer's
+        shard of them, already applied). Views of it, ``.grad`` among them, must be dropped first."""
+        self.flat.untyped_storage().resize_(0)
 
     def write_trailer(self, samples: int) -> None:
         """Write the "had a gradient" flags and the sample count into the trailer (two small operations)."""

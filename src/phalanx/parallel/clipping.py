@@ -32,7 +32,12 @@ class Clipping:
         return None if max_norm is None and max_value is None else cls(max_norm, max_value)
 
     def clip(self, optimizer: torch.optim.Optimizer) -> None:
-        """Clip the gradients of every parameter ``optimizer`` steps."""
+        """Clip the gradients of every parameter ``optimizer`` steps; an optimizer that steps a shard of
+        them (``px.Sharded``'s) clips its shard by the norm of the whole, through its ``clip_shards``."""
+        clip_shards = getattr(optimizer, "clip_shards", None)
+        if clip_shards is not None:
+            clip_shards(self)
+            return
         self.clip_parameters(p for group in optimizer.param_groups for p in group["params"])
 
     def clip_parameters(self, params: Iterable[torch.Tensor],

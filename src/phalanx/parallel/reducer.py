@@ -263,6 +263,15 @@ class GradientReducer:
             for slot, index in enumerate(bucket.param_indices):
                 self._slot_of[index] = (bucket, slot)
 
+    def release_buckets(self) -> None:
+        """Free every bucket's memory until the next backward, dropping the ``.grad`` views of it:
+        for a caller that has consumed the step's sums (a sharded optimizer, which keeps only its
+        shard). Between steps the model then holds no gradient memory at all."""
+        for bucket in self._buckets:
+            for index in bucket.param_indices:
+                self.params[index].grad = None
+            bucket.release()
+
     @property
     def bucket_params(self) -> list[list[int]]:
         """The parameter indices of each bucket, in launch order."""

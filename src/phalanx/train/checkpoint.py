@@ -46,6 +46,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
     rng_states = collectives.allgather_object(torch.get_rng_state()) if state.lockstep else None
     position = LoopPosition(state).state_dict()
     weights = state.model.state_dict()
+    optimizer = state.optimizer.state_dict()  # every rank: a sharded optimizer gathers its state
     nonfinite = first_nonfinite(weights)
     if nonfinite is not None:  # every rank holds the same weights and so decides alike
         if runtime.is_master():
@@ -59,7 +60,7 @@ def save(state: TrainState, directory: str | Path, keep: int = 3) -> None:
     payload = {
         "format": FORMAT_VERSION,
         "model": weights,
-        "optimizer": state.optimizer.state_dict(),
+        "optimizer": optimizer,
         "loader": state.loader.state_dict(),
         "exact": state.exact.state_dict() if state.exact is not None else None,
         "precision": state.precision.state_dict(),

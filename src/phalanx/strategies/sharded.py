@@ -1,0 +1,330 @@
+"""``px.Sharded``: the optimizer state (level 1) and the gradients (level 2) split over the workers.
+
+The parameters a worker trains are laid out in *units*: runs of parameters of one optimizer
+parameter group and dtype, about a gradient bucket long, in the order gradients become ready.
+Each unit is one flat buffer the parameters are views of, cut into one contiguous chunk per rank
+(``torch.tensor_split``'s cut); a unit is also exactly one of the gradient engine's buckets. A rank
+owns its chunk of every unit: the user's optimizer (its class and hyperparameters, unchanged) steps
+only those chunks, so Adam's two moments cost ``8 / W`` bytes per parameter instead of 8.
+
+* Level 1: each bucket is all-reduced as in ``px.DataParallel``; a rank steps its chunk (a view of
+  the reduced bucket), then every unit's chunks are all-gathered into the parameters.
+* Level 2: each bucket is reduce-scattered instead, overlapped with backward as buckets are, so a
+  rank receives only the sums of its chunk; after the step the buckets' memory is freed until the
+  next backward, and between steps a worker holds no gradient but its chunk's.
+
+An elementwise optimizer (SGD, Adam, AdamW, ...) computes the same numbers on a chunk as on the
+whole tensors, bit for bit (checked on this machine for every torch optimizer below), so sharded
+training equals ``px.DataParallel``'s, and with ``reproducible=True`` is bitwise the same for any
+number of workers. An optimizer that needs whole tensors (LBFGS, Adafactor's factored moments,
+SparseAdam) is refused by name; one of your own that is elementwise is accepted when named in
+``elementwise=``. See docs/sharding.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.comm import collectives, runtime
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket, plan_buckets
+from phalanx.parallel.clipping import Clipping
+from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.reductions import Reduction
+from phalanx.strategies.base import (FitOptions, Strategy, refuse, refuse_parameter_servers_launched, wrap)
+from phalanx.strategies.held import HeldOptimizer
+
+LEVELS = (1, 2)
+
+#: torch optimizers whose update of an element depends on that element alone (and scalars).
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
+               torch.optim.ASGD, torch.optim.Rprop)
+
+
+@dataclass
+class Unit:
+    """Parameters of one optimizer group laid out in one flat buffer; this rank steps ``shard``."""
+
+    group: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    bounds: list[tuple[int, int]]  # every rank's chunk of ``flat``, in rank order
+    shard: nn.Parameter = field(init=False)
+
+    def __post_init__(self) -> None:
+        start, stop = self.bounds[runtime.rank()]
+        self.shard = nn.Parameter(self.flat[start:stop], requires_grad=True)
+
+    @property
+    def own(self) -> slice:
+        start, stop = self.bounds[runtime.rank()]
+        return slice(start, stop)
+
+    def full_gradient(self) -> torch.Tensor | None:
+        """The unit's whole gradient as one flat view when the engine left it contiguous (its bucket),
+        else a copy; ``None`` when no parameter has a gradient."""
+        grads = [p.grad for p in self.params]
+        if all(g is None for g in grads):
+            return None
+        first = grads[0]
+        if first is not None and all(g is not None for g in grads):
+            offset, base = first.storage_offset(), first.untyped_storage().data_ptr()
+            contiguous = True
+            for grad, param in zip(grads, self.params):
+                contiguous &= (grad.untyped_storage().data_ptr() == base and grad.storage_offset() == offset
+                               and grad.is_contiguous())
+                offset += param.numel()
+            if contiguous:
+                return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (self.flat.numel(),))
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                          for g, p in zip(grads, self.params)])
+
+
+def lay_out(optimizer: torch.optim.Optimizer, model: nn.Module, threshold_mb: float) -> list[Unit]:
+    """The units of ``optimizer``'s parameters, in the order gradients usually become ready (last
+    registered first); each parameter's data becomes a view of its unit's flat buffer."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trained - stepped:
+        names = [name for name, p in model.named_parameters() if id(p) in trained - stepped]
+        raise ConfigurationError(f"px.Sharded steps parameters through the optimizer, which lacks {names[:3]}: give "
+                                 "the optimizer every parameter that requires grad, or set requires_grad=False.")
+    world = runtime.size()
+    units = []
+    for index in reversed(range(len(optimizer.param_groups))):
+        params = [p for p in reversed(optimizer.param_groups[index]["params"]) if p.requires_grad]
+        for group in plan_buckets(params, threshold_mb):
+            members = [params[i] for i in group]
+            flat = torch.cat([p.detach().reshape(-1) for p in members])
+            offset = 0
+            for param in members:
+                param.data = flat[offset: offset + param.numel()].view_as(param)
+                offset += param.numel()
+            sizes = [len(chunk) for chunk in torch.arange(flat.numel()).tensor_split(world)]
+            starts = [sum(sizes[:r]) for r in range(world)]
+            units.append(Unit(index, members, flat, [(s, s + n) for s, n in zip(starts, sizes)]))
+    return units
+
+
+class ShardedReduction(Reduction):
+    """Buckets laid out as the units; level 1 all-reduces each, level 2 reduce-scatters it (each rank
+    receives the sums of its chunk, written where its chunk lies in the bucket)."""
+
+    def __init__(self, units: Sequence[Unit], params: Sequence[nn.Parameter], scatter: bool):
+        index = {id(p): i for i, p in enumerate(params)}
+        self.groups = [[index[id(p)] for p in unit.params] for unit in units]
+        self.units = list(units)
+        self.scatter = scatter
+        self.name = "reduce-scatter to shards" if scatter else "allreduce, sharded step"
+
+    def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
+        return [list(group) for group in self.groups]
+
+    def agree_order(self, observed: list[int], count: int) -> list[int] | None:
+        """The units' order stays: the optimizer's shards are laid out on it."""
+        return None
+
+    def reduce(self, bucket: Bucket) -> Any:
+        if not self.scatter:
+            return super().reduce(bucket)
+        own = self.units[bucket.index].own
+        sums = collectives.reduce_scatter(bucket.gradient, "sum", async_op=True, check=False)
+        counts = collectives.allreduce_(bucket.trailer, "sum", async_op=True, check=False)
+        return _Scattered(sums, counts, bucket.gradient[own])
+
+
+class _Scattered:
+    """A reduce-scatter and the trailer's allreduce; ``wait`` puts this rank's sums in place."""
+
+    def __init__(self, sums: Any, counts: Any, into: torch.Tensor):
+        self.sums, self.counts, self.into = sums, counts, into
+
+    def wait(self) -> None:
+        self.into.copy_(self.sums.wait())
+        self.counts.wait()
+
+
+class ShardedOptimizer(HeldOptimizer):
+    """The user's optimizer, stepped on this rank's chunk of every unit, then the chunks all-gathered.
+
+    ``param_groups`` are the user's (schedules set them; they are copied to the stepping optimizer
+    at each step); ``state`` holds this rank's chunks only. ``state_dict``/``load_state_dict`` are
+    collective and speak the user's optimizer's format, whole, so a checkpoint resumes at any worker
+    count, sharded or not.
+    """
+
+    strategy = "px.Sharded"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], model: DataParallel, level: int):
+        super().__init__(optimizer)
+        self.units, self.model, self.level = units, model, level
+        groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
+                  for index, group in enumerate(optimizer.param_groups)]
+        self.stepping = type(optimizer)(groups, **optimizer.defaults)
+
+    @property
+    def state(self) -> Any:
+        return self.stepping.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.stepping.zero_grad(set_to_none=set_to_none)
+
+    def clip_shards(self, clipping: Clipping) -> None:
+        """Clip by the norm of the whole gradient: from the whole reduced gradient where every rank
+        holds it (level 1, reproducible mode: the same numbers as unsharded clipping), else from the
+        chunks' squared norms summed over ranks."""
+        if self._whole_gradients():
+            clipping.clip_parameters(p for unit in self.units for p in unit.params)
+            return
+        self._collect()
+        clipping.clip_parameters((unit.shard for unit in self.units), sum_over_shards=_sum_over_ranks)
+
+    def _whole_gradients(self) -> bool:
+        reducer = self.model.reducer
+        return self.level == 1 or runtime.size() == 1 or reducer is None or \
+            not isinstance(getattr(reducer.summation, "reduction", None), ShardedReduction)
+
+    def _collect(self) -> None:
+        """Each shard's gradient: its chunk of the unit's reduced gradient (a view where it can be)."""
+        for unit in self.units:
+            whole = unit.full_gradient()
+            unit.shard.grad = None if whole is None else whole[unit.own]
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        self._collect()
+        for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
+            mine.update(_hyperparameters(theirs))
+        self.stepping.step()
+        self._gather()
+        if self.level == 2 and self.model.reducer is not None and not self._whole_gradients():
+            self.model.reducer.release_buckets()
+            for unit in self.units:
+                unit.shard.grad = None
+
+    def _gather(self) -> None:
+        """Every rank's updated chunks into every unit's parameters (one all-gather per unit, all in flight)."""
+        if runtime.size() == 1:
+            return
+        handles = [collectives.allgather(unit.shard.detach(), async_op=True, check=False) for unit in self.units]
+        for unit, handle in zip(self.units, handles):
+            unit.flat.copy_(handle.wait())
+
+    # --- state dicts in the user's format -------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's state dict, every parameter's state whole (collective)."""
+        whole = self.optimizer.state_dict()
+        position = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        state: dict[int, dict[str, Any]] = {}
+        for unit in self.units:
+            mine = self.stepping.state.get(unit.shard, {})
+            for key in sorted(mine):
+                value = mine[key]
+                if torch.is_tensor(value) and value.dim() > 0:
+                    value = _gathered(unit, value)
+                    for param, part in zip(unit.params, _split(value, unit.params)):
+                        state.setdefault(position[id(param)], {})[key] = part.view_as(param).clone()
+                else:
+                    for param in unit.params:
+                        state.setdefault(position[id(param)], {})[key] = value.clone() if torch.is_tensor(value) \
+                            else value
+        whole["state"] = state
+        for group, mine in zip(whole["param_groups"], self.stepping.param_groups):
+            group.update({k: v for k, v in _hyperparameters(mine).items() if k in group})
+        return whole
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole state (sharded or not, saved at any worker count): this rank keeps its chunks."""
+        self.optimizer.load_state_dict({**state_dict, "state": {}})
+        for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
+            mine.update(_hyperparameters(theirs))
+        position = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        saved = state_dict.get("state", {})
+        self.stepping.state.clear()
+        for unit in self.units:
+            per_param = [saved.get(position[id(p)]) for p in unit.params]
+            if any(entry is None for entry in per_param):
+                continue
+            shard_state: dict[str, Any] = {}
+            for key, value in per_param[0].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    whole = torch.cat([entry[key].reshape(-1) for entry in per_param])
+                    shard_state[key] = whole[unit.own].clone().to(unit.flat.device)
+                else:
+                    shard_state[key] = value.clone() if torch.is_tensor(value) else value
+            self.stepping.state[unit.shard] = shard_state
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _gathered(unit: Unit, chunk: torch.Tensor) -> torch.Tensor:
+    return collectives.allgather(chunk, check=False) if runtime.size() > 1 else chunk
+
+
+def _split(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    return list(flat.split([p.numel() for p in params]))
+
+
+def _sum_over_ranks(value: float) -> float:
+    return float(collectives.allreduce(torch.tensor([value], dtype=torch.float64), check=False))
+
+
+class Sharded(Strategy):
+    """``px.fit(..., strategy=px.Sharded(level=2))``: see the module's docstring and docs/sharding.md.
+
+    ``level`` 1 shards the optimizer state, 2 also the gradients. ``elementwise`` names optimizer
+    classes of your own whose update of each element depends on that element alone, which the
+    strategy may then step chunk by chunk.
+    """
+
+    def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
+                 fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB):
+        if level not in LEVELS:
+            raise ConfigurationError(f"px.Sharded(level=...) must be one of {list(LEVELS)}, got {level!r}.")
+        self.level = level
+        self.elementwise = (*ELEMENTWISE, *elementwise)
+        self.fusion_threshold_mb = fusion_threshold_mb
+        self.nonfinite_agreement = "gradient" if level == 1 else "collective"
+
+    @property
+    def name(self) -> str:
+        return f"px.Sharded(level={self.level})"
+
+    def check(self, options: FitOptions) -> None:
+        refuse_parameter_servers_launched(self.name)
+        if options.several_optimizers:
+            refuse(self.name, "a list of optimizers", "the shards are laid out over one optimizer's parameter groups; "
+                   "use one optimizer with parameter groups.")
+        if options.manual_step:
+            refuse(self.name, "a step_fn that steps its own optimizers", "the strategy steps the optimizer on its shards; "
+                   "give step_fn(model, batch) and let px.fit step.")
+        if options.elastic:
+            refuse(self.name, "an elastic job", "no worker holds the whole optimizer state, so a lost worker's shard "
+                   "could not be rebuilt; use px.DataParallel for elastic jobs, or a fixed number of workers.")
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ShardedOptimizer]:
+        """Lay the parameters out in units, plug the sharded reduction into the engine, and wrap the
+        optimizer to step this rank's chunks (collective: every rank builds the same layout)."""
+        if not isinstance(optimizer, self.elementwise):
+            raise ConfigurationError(
+                f"{self.name} steps each rank's chunk of the parameters, which only an elementwise optimizer can do "
+                f"(torch's {', '.join(c.__name__ for c in ELEMENTWISE)}); {type(optimizer).__name__} is not known to be "
+                "one. If its update of each element depends on that element alone, pass "
+                f"px.Sharded(elementwise=[{type(optimizer).__name__}]); otherwise use px.DataParallel.")
+        if any(optimizer.state.values()):
+            raise ConfigurationError(f"{self.name} needs an optimizer that has not stepped yet: set the strategy up "
+                                     "first, then load a saved state with optimizer.load_state_dict.")
+        wrapped = wrap(model)
+        units = lay_out(optimizer, wrapped.module, self.fusion_threshold_mb)
+        params = [p for p in wrapped.module.parameters() if p.requires_grad]
+        wrapped.rebuild_reducer(reduction=ShardedReduction(units, params, scatter=self.level == 2))
+        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level)

@@ -1,0 +1,217 @@
+"""px.Sharded: each level trains as px.DataParallel does (bitwise alike for any worker count in
+reproducible mode), holds only its shard of the optimizer state and gradients, clips by the whole
+norm, resumes at another worker count and level, and refuses what it cannot do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx as px
+from tests.harness import run_workers
+from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, SAMPLES, _dataset
+
+LR = 0.01
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam([{"params": model[0].parameters()},
+                             {"params": [*model[2].parameters(), *model[4].parameters()], "lr": LR / 2}],
+                            lr=LR, weight_decay=0.01)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _fit(level: int, epochs: int = EPOCHS, optimizer: Any = _adam, **options: Any) -> dict[str, Any]:
+    """Train with px.Sharded(level) (level 0: px.DataParallel); units of a few hundred bytes, so
+    that a model this small is still cut into several units and every rank holds a chunk of each."""
+    model = _model()
+    strategy = px.Sharded(level=level, fusion_threshold_mb=0.001) if level else None
+    history = px.fit(model, optimizer(model), F.cross_entropy, _dataset(), epochs=epochs,
+                     global_batch_size=GLOBAL_BATCH, metrics=["accuracy"], verbose=0, strategy=strategy, **options)
+    return {"weights": _weights(model), "history": history.history}
+
+
+def _fit_with(level: int, options: dict[str, Any]) -> dict[str, Any]:
+    return _fit(level, **options)
+
+
+def _unsharded_and_sharded(level: int, options: dict[str, Any]) -> tuple[dict, dict]:
+    return _fit(0, **options), _fit(level, **options)
+
+
+@pytest.mark.parametrize("world_size, level, options", [
+    (1, 2, {}),
+    (2, 1, {"clip_grad_norm": 0.05}),  # clipping every step (the gradient norms are about 0.3)
+    (3, 2, {"clip_grad_norm": 0.05, "accumulate_steps": 2}),
+    (4, 2, {"precision": "bf16-mixed"}),
+    (4, 1, {}),
+])
+def test_each_level_trains_as_data_parallel(world_size: int, level: int, options: dict) -> None:
+    """Equal weights and history at 1 to 4 workers; 140 samples in batches of 30 end on a short batch."""
+    for unsharded, sharded in run_workers(_unsharded_and_sharded, world_size, level, options, timeout=150):
+        for name, value in unsharded["weights"].items():
+            torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-5, atol=1e-6)
+        for key, values in unsharded["history"].items():
+            assert sharded["history"][key] == pytest.approx(values, rel=1e-5)
+    assert unsharded["history"]["accuracy"][-1] > 0.6
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_reproducible_mode_gives_the_same_bits_for_any_worker_count(level: int) -> None:
+    options = {"reproducible": True, "micro_batch_size": 5, "clip_grad_norm": 0.05}
+    runs = {world: run_workers(_fit_with, world, level, options, timeout=150) for world in (1, 2, 3, 4)}
+    unsharded = run_workers(_fit_with, 2, 0, options, timeout=150)[0]["weights"]
+    reference = runs[1][0]["weights"]
+    for world, results in runs.items():
+        for result in results:
+            for name, value in reference.items():
+                assert torch.equal(result["weights"][name], value), (world, name)
+    for name, value in unsharded.items():
+        torch.testing.assert_close(reference[name], value, rtol=1e-6, atol=1e-7)
+
+
+def _held_after_a_step(level: int) -> dict[str, int]:
+    """Tensor bytes this worker holds after a step: optimizer state and gradients."""
+    model, (x, y) = _model(), _dataset()
+    model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(model, _adam(model))
+    loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        break
+    state = sum(v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in model.parameters() if p.grad is not None}
+    buckets = sum(b.flat.untyped_storage().nbytes() for b in model.reducer._buckets)
+    return {"state": state, "grads": sum(storages.values()), "buckets": buckets,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def test_a_worker_holds_its_shard_of_the_optimizer_state_and_at_level_2_no_gradient_between_steps() -> None:
+    level1 = run_workers(_held_after_a_step, 4, 1)
+    level2 = run_workers(_held_after_a_step, 4, 2)
+    params = level1[0]["params"]
+    for held in level1 + level2:  # Adam's two moments of a quarter of the parameters, give or take a unit's rounding
+        assert 2 * params / 4 - 2 * 4 * 8 <= held["state"] <= 2 * params / 4 + 2 * 4 * 8
+    assert all(held["buckets"] >= 4 * params for held in level1)  # the reduced gradients stay, as in DataParallel
+    assert all(held["grads"] == 0 and held["buckets"] == 0 for held in level2)
+
+
+def _hand_loop(level: int) -> dict[str, torch.Tensor]:
+    model, (x, y) = _model(), _dataset()
+    optimizer = _adam(model)
+    if level:
+        model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(model, optimizer)
+    else:
+        model = px.DataParallel(model)
+    for epoch in range(2):
+        loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
+        loader.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs), targets).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # reads gradients: harmless, as with DDP
+            optimizer.step()
+    return _weights(model.module)
+
+
+def test_a_hand_written_loop_trains_as_with_data_parallel() -> None:
+    unsharded = run_workers(_hand_loop, 3, 0)[0]
+    for weights in run_workers(_hand_loop, 3, 2):
+        for name, value in unsharded.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _resumed(level: int, epochs: int, directory: str) -> dict[str, Any]:
+    return _fit(level, epochs=epochs, checkpoint_dir=directory)
+
+
+def test_a_checkpoint_resumes_at_another_worker_count_and_level(tmp_path: Path) -> None:
+    """Two epochs at 2 workers, level 2; the rest at 3 workers, level 1: as four epochs unsharded."""
+    run_workers(_resumed, 2, 2, 2, str(tmp_path))
+    resumed = run_workers(_resumed, 3, 1, EPOCHS, str(tmp_path), timeout=150)
+    straight = run_workers(_fit, 2, 0)[0]
+    for result in resumed:
+        for name, value in straight["weights"].items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+        assert result["history"]["loss"] == pytest.approx(straight["history"]["loss"], rel=1e-5)
+
+
+def _refusal(case: str) -> str:
+    model = _model()
+    options: dict[str, Any] = {}
+    optimizer: Any = _adam(model)
+    strategy = px.Sharded(level=2)
+    if case == "lbfgs":
+        optimizer = torch.optim.LBFGS(model.parameters())
+    elif case == "two optimizers":
+        optimizer = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    elif case == "frozen in the optimizer":
+        optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(px.ConfigurationError) as refused:
+        px.fit(model, optimizer, F.cross_entropy, _dataset(), epochs=1, global_batch_size=GLOBAL_BATCH, verbose=0,
+               strategy=strategy, **options)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("lbfgs", "LBFGS is not known to be one"),
+    ("two optimizers", "px.Sharded(level=2) with a list of optimizers"),
+    ("frozen in the optimizer", "give the optimizer every parameter that requires grad"),
+])
+def test_what_sharding_cannot_do_is_refused_before_training(case: str, words: str) -> None:
+    assert words in run_workers(_refusal, 1, case)[0]
+
+
+def test_a_level_that_does_not_exist_is_refused() -> None:
+    with pytest.raises(px.ConfigurationError, match="must be one of"):
+        px.Sharded(level=4)
+
+
+class _Lion(torch.optim.Optimizer):
+    """An elementwise optimizer of the user's own (sign of a momentum blend)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, beta: float = 0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                p.add_(torch.sign(group["beta"] * momentum + (1 - group["beta"]) * p.grad), alpha=-group["lr"])
+                momentum.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+
+
+def _lion(level: int) -> dict[str, torch.Tensor]:
+    model = _model()
+    strategy = px.Sharded(level=level, elementwise=[_Lion], fusion_threshold_mb=0.001) if level else None
+    px.fit(model, _Lion(model.parameters()), F.cross_entropy, _dataset(), epochs=1, global_batch_size=GLOBAL_BATCH,
+           verbose=0, strategy=strategy)
+    return _weights(model)
+
+
+def test_an_elementwise_optimizer_of_your_own_is_stepped_once_named() -> None:
+    unsharded = run_workers(_lion, 2, 0)[0]
+    for weights in run_workers(_lion, 2, 2):
+        for name, value in unsharded.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+assert SAMPLES % GLOBAL_BATCH, "the data must end on a short batch"
