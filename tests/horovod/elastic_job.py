@@ -3,7 +3,9 @@
 It trains an MLP with ``hvd.elastic.TorchState``, ``hvd.elastic.ElasticSampler``,
 ``hvd.DistributedOptimizer`` and ``@hvd.elastic.run``, committing after every step. It writes its
 pid to ``--pids`` and rank 0's committed step to ``--progress``; at the end rank 0 saves the
-weights, the size, what the reset callbacks saw and how many samples each epoch processed. With
+weights, the size, what the reset callbacks saw (the size, and whether Horovod's negotiation and
+process sets were new, the old ones closed, the user's set forgotten) and how many samples each
+epoch processed. With
 ``--hold-at`` the job waits after that step for ``--hold-file``, which a worker started later
 creates just before it asks to join.
 """
@@ -34,8 +36,11 @@ def main() -> None:
         handle.write(str(os.getpid()))
 
     import phalanx.horovod.torch as hvd
+    from phalanx.horovod.torch import negotiation, process_sets
 
-    hvd.init()
+    hvd.init(process_sets="dynamic")
+    first = (negotiation.current(), process_sets.registry())
+    pair = hvd.add_process_set([0, 1]) if hvd.size() > 1 else None  # a worker started later is alone here
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, FEATURES, generator=generator)
     dataset = torch.utils.data.TensorDataset(x, x @ torch.linspace(-1, 1, FEATURES).unsqueeze(1))
@@ -48,7 +53,16 @@ def main() -> None:
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, step=0,
                                    processed=[0] * EPOCHS)
     resets: list[int] = []
-    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    fresh: list[dict[str, bool]] = []
+
+    def reset() -> None:
+        resets.append(hvd.size())
+        negotiator, registry = negotiation.current(), process_sets.registry()
+        fresh.append({"negotiator": negotiator is not first[0] and first[0].closed,
+                      "sets": registry is not first[1] and list(registry.sets) == [0] and registry.dynamic,
+                      "pair": pair is None or pair.process_set_id is None})
+
+    state.register_reset_callbacks([reset])
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> int:
@@ -86,8 +100,8 @@ def main() -> None:
     sums = hvd.allgather_object(float(sum(p.detach().double().sum() for p in model.parameters())))
     if hvd.rank() == 0:
         loss = F.mse_loss(model(x), dataset.tensors[1]).item()
-        torch.save({"size": hvd.size(), "steps": steps, "resets": resets, "sums": sums, "loss": loss,
-                    "processed": list(state.processed)}, args.out)
+        torch.save({"size": hvd.size(), "steps": steps, "resets": resets, "fresh": fresh, "sums": sums,
+                    "loss": loss, "processed": list(state.processed)}, args.out)
     hvd.shutdown()
 
 

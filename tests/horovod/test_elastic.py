@@ -1,6 +1,7 @@
 """``hvd.elastic`` end to end: a Horovod elastic script under ``phalanx run`` loses a worker to
 SIGKILL and finishes on the other two, and admits a worker started later; every sample of each
-epoch is processed once and the workers end with the same weights."""
+epoch is processed once and the workers end with the same weights; after each reset Horovod's
+negotiation and process sets are those of the new generation, the old ones closed."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_a_killed_worker_leaves_the_others_training(tmp_path: Path) -> None:
         assert job.wait(90) == 0, job.output()
     result = job.result()
     assert result["size"] == 2 and result["resets"] == [2], job.output()
+    # Horovod's negotiation and process sets of the new generation are new, the old ones closed
+    assert result["fresh"] == [{"negotiator": True, "sets": True, "pair": True}], result["fresh"]
     assert result["processed"] == [240, 240]  # the lost worker's share was dealt to the others
     assert max(result["sums"]) == min(result["sums"])  # the survivors hold the same weights
     assert result["loss"] < 0.5, result
@@ -42,5 +45,6 @@ def test_a_worker_started_later_joins_and_receives_the_state(tmp_path: Path) -> 
             assert joiner.wait(90) == 0, joiner.output()
     result = job.result()
     assert result["size"] == 3 and result["resets"] == [3], job.output()
+    assert result["fresh"] == [{"negotiator": True, "sets": True, "pair": True}], result["fresh"]
     assert result["processed"] == [240, 240]
     assert len(result["sums"]) == 3 and max(result["sums"]) == min(result["sums"])

@@ -4,6 +4,11 @@
 torchrun, SLURM and mpirun launches all work) and registers the static process sets. The
 ``*_built``/``*_enabled`` answers describe this installation truthfully: Gloo carries CPU tensors;
 NCCL is there when torch was built with it and CUDA is usable; MPI, DDL and oneCCL never are.
+
+What Horovod holds for a generation of the job (its layout, process sets and negotiation) hangs on that
+generation's communicator (:meth:`~phalanx.comm.communicator.Communicator.attached`): ``init`` and
+every elastic reset start them on the current one (:func:`begin_generation`), and the generation's end
+(``shutdown``, a re-form) closes them with it, so the next one starts afresh.
 """
 
 from __future__ import annotations
@@ -11,13 +16,17 @@ from __future__ import annotations
 import logging
 import socket
 import warnings
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import collectives, runtime
+from phalanx.comm import runtime
+from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.errors import ConfigurationError, NotInitializedError
+from phalanx.horovod.torch import negotiation
+from phalanx.horovod.torch import process_sets as sets
 
 logger = logging.getLogger(__name__)
 
@@ -31,25 +40,17 @@ Product = 5
 
 _OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 
-_layout: dict[str, Any] | None = None  # cross rank/size and homogeneity, agreed at init
-_on_shutdown: list[Callable[[], None]] = []  # what the other modules forget at shutdown (on_shutdown)
-_on_init: list[Callable[[], None]] = []  # what the other modules start with each generation (on_init)
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits among the hosts, agreed by every rank of a generation."""
+
+    cross_size: int
+    cross_rank: int
+    homogeneous: bool
 
 
-def on_shutdown(forget: Callable[[], None]) -> None:
-    """Have ``shutdown`` call ``forget``: a module's state of this job (ops in flight) goes with it."""
-    _on_shutdown.append(forget)
-
-
-def on_init(begin: Callable[[], None]) -> None:
-    """Have ``init`` (and every re-forming of an elastic job) call ``begin``, on every rank alike."""
-    _on_init.append(begin)
-
-
-def begin_generation() -> None:
-    """Start what the other modules run per generation of the job (collective: every rank calls it)."""
-    for begin in _on_init:
-        begin()
+LAYOUT: Attachment[Layout] = Attachment("horovod layout")
 
 
 def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> None:
@@ -58,8 +59,6 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
     Calling it again does nothing. ``comm`` (an MPI communicator or a list of ranks) is refused:
     phalanx forms its groups through torch.distributed; use process sets for subsets of ranks.
     """
-    from phalanx.horovod.torch import process_sets as sets
-
     if is_initialized():
         return
     if comm is not None:
@@ -68,50 +67,52 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
             "Call hvd.init() and pass process_sets=[hvd.ProcessSet(ranks), ...] to work on subsets of ranks."
         )
     runtime.init()
-    refresh_layout()
-    sets.setup(process_sets)
-    begin_generation()
+    static = [] if isinstance(process_sets, str) or process_sets is None else list(process_sets)
+    begin_generation(sets.wants_dynamic(process_sets), static)
+
+
+def begin_generation(dynamic: bool, static: Sequence[sets.ProcessSet] = ()) -> None:
+    """Start Horovod on the current generation: agree on the layout, open its registry of process
+    sets (``static`` registered; more allowed later when ``dynamic``) and start its negotiation.
+
+    Collective: every rank calls it, at ``init`` and after an elastic reset. On a generation that has
+    them already it does nothing; each is closed with the generation (see the module's docstring).
+    """
+    communicator = runtime.communicator()
+    communicator.attached(LAYOUT, lambda: _agreed_layout(communicator))
+    registry = sets.opened(dynamic, static)
+    negotiation.opened(registry.negotiated_scope)
 
 
 def shutdown() -> None:
-    """Leave the job; ``init`` may be called again."""
-    from phalanx.horovod.torch import process_sets as sets
-
-    global _layout
-    for forget in _on_shutdown:
-        forget()
-    sets.forget()
-    _layout = None
+    """Leave the job; ``init`` may be called again. The generation's end closes what Horovod held on
+    it: its negotiation first (collective: every rank leaves), then the process sets it registered."""
     runtime.shutdown()
 
 
 def is_initialized() -> bool:
     """Whether ``init`` has run (and ``shutdown`` has not)."""
-    return runtime.is_initialized() and _layout is not None
+    return runtime.attachment(LAYOUT) is not None
 
 
-def refresh_layout() -> None:
-    """Agree on every rank's host and local rank (one small allgather): cross ranks and homogeneity.
-
-    Called by ``init`` and again after an elastic change of membership.
-    """
-    global _layout
-    host = f"{socket.gethostname()}/{runtime.node_rank()}"
-    everyone = collectives.allgather_object((host, runtime.local_rank()))
+def _agreed_layout(communicator: Communicator) -> Layout:
+    """Every rank's host and local rank (one small allgather): cross ranks and homogeneity."""
+    info = communicator.info
+    everyone = communicator.allgather_object((f"{socket.gethostname()}/{info.node_rank}", info.local_rank), safe=True)
     per_host: dict[str, int] = {}
     for name, _ in everyone:
         per_host[name] = per_host.get(name, 0) + 1
-    mine = runtime.local_rank()
-    same_local = [r for r, (_, local) in enumerate(everyone) if local == mine]
-    _layout = {"cross_size": len(same_local), "cross_rank": same_local.index(runtime.rank()),
-               "homogeneous": len(set(per_host.values())) == 1}
-    logger.debug("horovod layout: %s", _layout)
+    same_local = [r for r, (_, local) in enumerate(everyone) if local == info.local_rank]
+    layout = Layout(len(same_local), same_local.index(communicator.rank), len(set(per_host.values())) == 1)
+    logger.debug("horovod layout: %s", layout)
+    return layout
 
 
-def require_init() -> dict[str, Any]:
-    if _layout is None or not runtime.is_initialized():
+def require_init() -> Layout:
+    layout = runtime.attachment(LAYOUT)
+    if layout is None:
         raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
-    return _layout
+    return layout
 
 
 def size() -> int:
@@ -140,17 +141,17 @@ def local_rank() -> int:
 
 def cross_size() -> int:
     """The number of hosts that run a process with this process's local rank."""
-    return int(require_init()["cross_size"])
+    return require_init().cross_size
 
 
 def cross_rank() -> int:
     """This process's index among the processes with its local rank, one per host."""
-    return int(require_init()["cross_rank"])
+    return require_init().cross_rank
 
 
 def is_homogeneous() -> bool:
     """Whether every host runs the same number of processes."""
-    return bool(require_init()["homogeneous"])
+    return require_init().homogeneous
 
 
 def mpi_threads_supported() -> bool:

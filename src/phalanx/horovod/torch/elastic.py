@@ -81,21 +81,20 @@ class TorchState(ObjectState):
 def run(func: Callable[..., T]) -> Callable[..., T | None]:
     """Wrap ``func(state, ...)`` so that it survives lost workers and admits new ones.
 
-    Before every call the process-level answers (size, cross rank) are agreed anew (on every
-    member alike, joiners included); after a reset, process sets other than the global one are
-    dropped (their groups belonged to the old group) and ``state.on_reset()`` runs first.
+    Each generation of the job after a reset starts Horovod afresh before the call (on every member
+    alike, joiners included): the process-level answers (size, cross rank) are agreed anew, the
+    process sets are the global one alone (the others' groups belonged to the old group; whether
+    sets may be added is kept) and a new negotiation runs; then ``state.on_reset()`` runs first.
     """
 
     @functools.wraps(func)
     def wrapper(state: ObjectState, *args: Any, **kwargs: Any) -> T | None:
         calls = 0
+        dynamic = process_sets.allows_dynamic()
 
         def attempt(state: ObjectState, *args: Any, **kwargs: Any) -> T:
             nonlocal calls
-            basics.refresh_layout()
-            if calls:
-                process_sets.forget()
-            basics.begin_generation()  # the negotiation of this generation (a no-op when it runs already)
+            basics.begin_generation(dynamic)  # a no-op on the generation hvd.init began
             if calls:
                 state.on_reset()
             calls += 1

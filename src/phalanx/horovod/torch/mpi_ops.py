@@ -3,12 +3,13 @@
 Each ``*_async`` submits its operation to the negotiation (:mod:`~phalanx.horovod.torch.negotiation`)
 and returns an integer handle at once; the operation starts when every rank of its process set has
 submitted one of the same name (an unnamed one is named by its kind and how many of that kind the
-process set had since the last ``barrier``, ``join`` or ``init``), so ranks may submit them in
-different orders. ``synchronize(handle)`` waits and returns the result, or raises the operation's
-error: ranks that disagree on dtype, shape, op or root all raise :class:`HorovodMismatchError`,
-with the same message. Having compared the records, the negotiation starts phalanx's collectives
-without their own cross-rank check (``check=False``). A name still being processed on this rank
-(submitted and not completed) raises ``ValueError`` at once, on this rank only.
+process set had since the last ``barrier`` or ``join``, or the generation's start: ``init``, an
+elastic reset), so ranks may submit them in different orders. ``synchronize(handle)`` waits and
+returns the result, or raises the operation's error: ranks that disagree on dtype, shape, op or
+root all raise :class:`HorovodMismatchError`, with the same message. Having compared the records,
+the negotiation starts phalanx's collectives without their own cross-rank check (``check=False``).
+A name still being processed on this rank (submitted and not completed) raises ``ValueError`` at
+once, on this rank only.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from phalanx.comm import collectives, runtime
+from phalanx.comm.communicator import Attachment
 from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import basics, negotiation, timeline
 from phalanx.horovod.torch.basics import Average, Sum
 from phalanx.horovod.torch.exceptions import horovod_errors
 from phalanx.horovod.torch.process_sets import (
-    ProcessSet, global_process_set, members, negotiated_scope, root_position, scope_of, set_size)
+    ProcessSet, global_process_set, members, root_position, scope_of, set_size)
 
 Finish = Callable[[Any], Any]
 
@@ -54,10 +56,25 @@ class _Pending:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-_pending: dict[int, _Pending] = {}
-_in_flight: dict[str, int] = {}
-_handles = itertools.count(1)
-_unnamed: dict[tuple[str, int], int] = {}  # unnamed operations submitted here, by kind and process set
+@dataclass
+class _Operations:
+    """This rank's operations in one generation of the job: a new generation (``init``, an elastic
+    reset) starts without any, its unnamed operations counted from zero on every rank."""
+
+    pending: dict[int, _Pending] = field(default_factory=dict)  # by handle, until synchronized
+    in_flight: dict[str, int] = field(default_factory=dict)  # the handle of each name not synchronized yet
+    unnamed: dict[tuple[str, int], int] = field(default_factory=dict)  # how many, by kind and process set
+
+
+OPERATIONS: Attachment[_Operations] = Attachment("horovod operations")
+_handles = itertools.count(1)  # never reused, across generations too
+
+
+def _operations() -> _Operations:
+    """The current generation's operations (before ``init``, none: every handle is unknown)."""
+    if not runtime.is_initialized():
+        return _Operations()
+    return runtime.communicator().attached(OPERATIONS, _Operations)
 
 
 def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negotiation.Launch,
@@ -69,7 +86,8 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
     """
     basics.require_init()
     scope_of(process_set)  # a registered set this rank belongs to
-    earlier = _pending.get(_in_flight.get(name, 0)) if name is not None else None
+    operations = _operations()
+    earlier = operations.pending.get(operations.in_flight.get(name, 0)) if name is not None else None
     if earlier is not None and not earlier.work.is_completed():  # a completed one frees its name, as in Horovod
         raise ConfigurationError(
             f"Requested to {kind} a tensor with the same name '{name}' as another tensor that is currently being "
@@ -77,7 +95,7 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
         )
     set_id = int(process_set.process_set_id or 0)
     if name is None:  # the members of a set submit its unnamed operations of a kind in the same order
-        count = _unnamed[kind, set_id] = _unnamed.get((kind, set_id), -1) + 1
+        count = operations.unnamed[kind, set_id] = operations.unnamed.get((kind, set_id), -1) + 1
         label = f"{kind}.noname.{count}"
     else:
         label = name
@@ -86,49 +104,33 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
     details = {"shapes": record["shapes"], "dtype": record["dtypes"][0]} if timeline.active() and tensors else {}
     submission = negotiation.Submission((set_id, label), record, launch)
     handle = next(_handles)
-    _pending[handle] = _Pending(kind, label, name is not None, negotiation.current().submit(submission), finish,
-                                timeline.now_us(), details)
+    operations.pending[handle] = _Pending(kind, label, name is not None, negotiation.current().submit(submission),
+                                          finish, timeline.now_us(), details)
     if name is not None:
-        _in_flight[name] = handle
+        operations.in_flight[name] = handle
     return handle
-
-
-def start_negotiation() -> None:
-    """Start this generation's negotiation (``hvd.init``, and an elastic job's every re-forming)."""
-    negotiation.start(_stand_in, negotiated_scope)
-
-
-def forget() -> None:
-    """Leave the negotiation and drop every operation not synchronized yet (at shutdown: a fresh
-    ``init`` starts clean, its unnamed operations counted from zero on every rank)."""
-    negotiation.stop()
-    _pending.clear()
-    _in_flight.clear()
-    _unnamed.clear()
-
-
-basics.on_init(start_negotiation)
-basics.on_shutdown(forget)
 
 
 def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` has completed (then ``synchronize`` does not block)."""
-    if handle not in _pending:
+    pending = _operations().pending.get(handle)
+    if pending is None:
         raise ConfigurationError(f"unknown handle {handle!r}: it was never returned or was already synchronized.")
-    return bool(_pending[handle].work.is_completed())
+    return bool(pending.work.is_completed())
 
 
 def synchronize(handle: int) -> Any:
     """Wait for the operation of ``handle``; return its output (``None`` for an unknown handle, as Horovod)."""
-    pending = _pending.pop(handle, None)
+    operations = _operations()
+    pending = operations.pending.pop(handle, None)
     if pending is None:
         return None
     try:
         with horovod_errors():
             result = pending.finish(pending.work.wait())
     finally:
-        if pending.named and _in_flight.get(pending.name) == handle:
-            del _in_flight[pending.name]
+        if pending.named and operations.in_flight.get(pending.name) == handle:
+            del operations.in_flight[pending.name]
         if timeline.active():
             timeline.record(pending.kind.upper(), pending.name, pending.start_us, pending.details)
     return result
@@ -413,9 +415,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     else is sent)."""
     synchronize(_submit("barrier", None, process_set, lambda: None))
     set_id = int(process_set.process_set_id or 0)
-    for kind, counted in list(_unnamed):  # every member is here: the set's unnamed operations count afresh
+    unnamed = _operations().unnamed
+    for kind, counted in list(unnamed):  # every member is here: the set's unnamed operations count afresh
         if set_id == 0 or counted == set_id:
-            del _unnamed[kind, counted]
+            del unnamed[kind, counted]
 
 
 def join(device: int = -1) -> int:
@@ -424,9 +427,9 @@ def join(device: int = -1) -> int:
     Returns the rank that joined last. ``device`` is unused: the zeros are made on this worker's device."""
     basics.require_init()
     negotiator = negotiation.current()
-    joined = negotiator.join()  # negotiated allreduces get zeros, the others fail
+    joined = negotiator.join(_stand_in)  # negotiated allreduces get zeros, the others fail
     with horovod_errors():
         last = collectives.join()  # so do the collectives run outside it (DistributedOptimizer's buckets)
     negotiator.all_joined(joined)
-    _unnamed.clear()  # every rank is here: unnamed operations the joined ones never made are forgotten
+    _operations().unnamed.clear()  # every rank is here: unnamed operations the joined ones never made are forgotten
     return last

@@ -17,10 +17,11 @@ table and reaches the same decisions in the same order:
   with Horovod's stall check, the verdict is the same everywhere: no rank later matches an operation
   that another rank has given up on (a barrier never passes on one rank and times out on another).
 
-Leaving (``hvd.shutdown()``, or the end of the generation or process) is collective, like MPI's
-finalize: a rank that leaves keeps taking part in the cycles until every rank has left (at most the
-job's timeout), so the others may go on with operations that do not need it; those that need it
-fail on every rank that submitted them, naming it. A lost peer fails every waiting operation with
+Each generation of the job has its own negotiator, kept on its communicator (:func:`opened`), whose
+end (``hvd.shutdown()``, an elastic re-form, the process's exit) closes it. Leaving is collective,
+like MPI's finalize: a rank that leaves keeps taking part in the cycles until every rank has left
+(at most the job's timeout), so the others may go on with operations that do not need it; those
+that need it fail on every rank that submitted them, naming it. A lost peer fails every waiting operation with
 :class:`HorovodTimeoutError`.
 
 Cycles cost nothing while nothing moves: after each cycle every thread waits on the same numbered key
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives, runtime
-from phalanx.comm.communicator import Communicator
+from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.errors import PhalanxError
 from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismatchError, HorovodTimeoutError
 from phalanx.horovod.torch.process_sets import new_scope
@@ -98,9 +99,10 @@ class _AllLeft(Exception):
 class Negotiator:
     """The negotiation of one generation of the job (see the module's docstring)."""
 
-    def __init__(self, communicator: Communicator, stand_in: Callable[[Record], Launch],
-                 set_scope: Callable[[int], collectives.Scope | None]):
-        self.communicator, self.stand_in, self.set_scope = communicator, stand_in, set_scope
+    def __init__(self, communicator: Communicator, set_scope: Callable[[int], collectives.Scope | None]):
+        self.communicator, self.set_scope = communicator, set_scope
+        self.stand_in: Callable[[Record], Launch] | None = None  # while this rank is joined (join)
+        self.closed = False
         self.rank, self.size, self.timeout_s = communicator.rank, communicator.size, communicator.timeout_s
         self._whole_job = new_scope(list(range(self.size)))
         self._stand_ins: list[Any] = []  # a joined rank's zeros in flight
@@ -125,7 +127,6 @@ class Negotiator:
                                            timeout=datetime.timedelta(seconds=self.timeout_s))
             self._thread = threading.Thread(target=self._serve, name="phalanx-horovod-negotiation", daemon=True)
             self._thread.start()
-            communicator.closing.append(self.close)
 
     # --- the caller's side --------------------------------------------------------------------
 
@@ -144,9 +145,11 @@ class Negotiator:
                 self._ring()
         return Negotiated(self, submission)
 
-    def join(self) -> concurrent.futures.Future:
-        """Declare this rank joined; the future completes once every rank has."""
+    def join(self, stand_in: Callable[[Record], Launch]) -> concurrent.futures.Future:
+        """Declare this rank joined; the future completes once every rank has. Meanwhile this rank
+        takes part in the others' allreduces with what ``stand_in`` launches for their records."""
         with self._lock:
+            self.stand_in = stand_in
             future: concurrent.futures.Future = concurrent.futures.Future()
             if self._thread is None:
                 future.set_result(None)
@@ -198,9 +201,10 @@ class Negotiator:
         return future.done()
 
     def close(self) -> None:
-        """Leave, and take part in the cycles until every rank has (at most the job's timeout)."""
+        """Leave, and take part in the cycles until every rank has (at most the job's timeout). The
+        generation's end calls it (the communicator holds this negotiator, see :func:`opened`)."""
         with self._lock:
-            self._leaving = True
+            self.closed = self._leaving = True
             self._ring()
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(self.timeout_s)
@@ -368,6 +372,7 @@ class Negotiator:
             except Exception as failure:  # noqa: BLE001 - the caller's synchronize raises it
                 mine.future.set_exception(failure)
         elif self.rank in joined and error is None:
+            assert self.stand_in is not None  # given by join()
             try:
                 with collectives.within(self.scope(key[0])):
                     self._stand_ins.append(self.stand_in(next(iter(records.values())))())
@@ -457,30 +462,20 @@ def _comparable(record: Record, what: str) -> Any:
     return value
 
 
-_current: Negotiator | None = None
+NEGOTIATOR: Attachment[Negotiator] = Attachment("horovod negotiation")
 
 
-def start(stand_in: Callable[[Record], Launch], set_scope: Callable[[int], collectives.Scope | None]) -> Negotiator:
-    """The negotiator of the current generation: made at ``hvd.init`` and after an elastic re-forming
-    (collective: every rank calls it), kept while the generation lasts."""
-    global _current
+def opened(set_scope: Callable[[int], collectives.Scope | None]) -> Negotiator:
+    """The current generation's negotiator, started where it has none yet (collective: every rank
+    calls it, at ``hvd.init`` and after an elastic reset). It lasts as long as the generation:
+    ``shutdown`` or a re-form closes it with the communicator, and every rank leaves."""
     communicator = runtime.communicator()
-    if _current is None or _current.communicator is not communicator:
-        if _current is not None:
-            _current.close()
-        _current = Negotiator(communicator, stand_in, set_scope)
-    return _current
+    return communicator.attached(NEGOTIATOR, lambda: Negotiator(communicator, set_scope))
 
 
 def current() -> Negotiator:
-    if _current is None or _current.communicator is not runtime.communicator():
+    """The current generation's negotiator; raises where Horovod was not started on it."""
+    found = runtime.attachment(NEGOTIATOR)
+    if found is None:
         raise HorovodInternalError("Horovod's negotiation is not running: call hvd.init() on every rank.")
-    return _current
-
-
-def stop() -> None:
-    """Leave (``hvd.shutdown``): every rank's negotiation ends."""
-    global _current
-    if _current is not None:
-        _current.close()
-        _current = None
+    return found

@@ -7,6 +7,9 @@ group, with the same checks, errors and averaging as over the whole job; its neg
 (:mod:`~phalanx.horovod.torch.negotiation`) run on a second pair of groups of its own. A ``root_rank`` is a
 global rank, as in Horovod (:func:`root_position` finds it in the set); ``ProcessSet.rank()`` is
 a position within the set.
+
+The sets registered belong to one generation of the job (:class:`Registry`, kept on its communicator):
+an elastic reset or ``shutdown`` ends it, and with it every set but the global one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Sequence
 import torch.distributed as dist
 
 from phalanx.comm import collectives, runtime
-from phalanx.errors import ConfigurationError
+from phalanx.comm.communicator import Attachment
+from phalanx.errors import ConfigurationError, NotInitializedError
 
 logger = logging.getLogger(__name__)
 DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
@@ -76,31 +80,88 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
-_registry: dict[int, ProcessSet] = {0: global_process_set}
-_dynamic = False
-_next_id = 1
+
+class Registry:
+    """The process sets of one generation of the job, by id: the global set and those registered on
+    it. Closed with its generation, it forgets every set but the global one (their groups belonged
+    to that generation); the next generation's registry starts with the global set alone."""
+
+    def __init__(self, size: int, dynamic: bool):
+        self.dynamic = dynamic  # whether sets may be added and removed after init
+        self.sets: dict[int, ProcessSet] = {0: global_process_set}
+        self.next_id = 1
+        global_process_set.ranks = list(range(size))
+
+    def register(self, process_set: ProcessSet) -> ProcessSet:
+        """Give ``process_set`` its groups and an id (collective over the whole job)."""
+        ranks = process_set.ranks or []
+        world = runtime.size()
+        if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
+            raise ConfigurationError(f"a process set needs distinct ranks in [0, {world}), got {ranks}.")
+        if any(existing.ranks == ranks for existing in self.sets.values() if existing is not global_process_set):
+            raise ConfigurationError(f"a process set with ranks {ranks} is already registered; reuse it.")
+        # the whole job: the global group serves its collectives
+        process_set._scope = None if ranks == list(range(world)) else new_scope(ranks)
+        process_set._negotiated = new_scope(ranks)
+        process_set.process_set_id = self.next_id
+        self.sets[self.next_id] = process_set
+        self.next_id += 1
+        logger.debug("process set %s registered", process_set)
+        return process_set
+
+    def holds(self, process_set: ProcessSet) -> bool:
+        """Whether ``process_set`` is registered here."""
+        return process_set.process_set_id is not None and self.sets.get(process_set.process_set_id) is process_set
+
+    def negotiated_scope(self, process_set_id: int) -> collectives.Scope | None:
+        """The groups that process set ``process_set_id``'s negotiated operations run on (``None`` in a
+        world of one)."""
+        return self.sets[process_set_id]._negotiated
+
+    def close(self) -> None:
+        """Forget every set but the global one (the generation ends)."""
+        for process_set in self.sets.values():
+            if process_set is not global_process_set:
+                process_set.invalidate()
+        self.sets = {0: global_process_set}
 
 
-def setup(process_sets: Sequence[ProcessSet] | str | None) -> None:
-    """Register the static sets of ``hvd.init``, or allow dynamic ones (``"dynamic"`` or the variable)."""
-    global _dynamic
-    global_process_set.ranks = list(range(runtime.size()))
-    _dynamic = process_sets == "dynamic" or os.environ.get(DYNAMIC_ENV, "0") not in ("", "0")
-    if isinstance(process_sets, str) or process_sets is None:
-        return
-    for process_set in process_sets:
-        _register(process_set)
+REGISTRY: Attachment[Registry] = Attachment("horovod process sets")
 
 
-def forget() -> None:
-    """Drop every set but the global one (at shutdown, or when an elastic group is re-formed)."""
-    global _next_id
-    for process_set in list(_registry.values()):
-        if process_set is not global_process_set:
-            process_set.invalidate()
-    _registry.clear()
-    _registry[0] = global_process_set
-    _next_id = 1
+def opened(dynamic: bool, static: Sequence[ProcessSet] = ()) -> Registry:
+    """The current generation's registry, made with ``static`` registered where it has none yet
+    (collective, every rank alike: ``hvd.init`` and an elastic reset)."""
+    communicator = runtime.communicator()
+
+    def make() -> Registry:
+        made = Registry(communicator.size, dynamic)
+        for process_set in static:
+            made.register(process_set)
+        return made
+
+    return communicator.attached(REGISTRY, make)
+
+
+def registry() -> Registry:
+    """The current generation's process sets; raises :class:`NotInitializedError` before ``hvd.init``."""
+    found = runtime.attachment(REGISTRY)
+    if found is None:
+        raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
+    return found
+
+
+def wants_dynamic(process_sets: Sequence[ProcessSet] | str | None) -> bool:
+    """Whether ``hvd.init(process_sets=...)`` or the environment (HOROVOD_DYNAMIC_PROCESS_SETS) lets sets
+    be added after init."""
+    return process_sets == "dynamic" or os.environ.get(DYNAMIC_ENV, "0") not in ("", "0")
+
+
+def allows_dynamic() -> bool:
+    """Whether the current generation lets sets be added after init (what the next one keeps); before
+    ``hvd.init``, what the environment says."""
+    found = runtime.attachment(REGISTRY)
+    return found.dynamic if found is not None else wants_dynamic(None)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -108,26 +169,28 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
     Collective: every rank must call it with the same ranks, in the same order.
     """
-    if not _dynamic:
+    sets = registry()
+    if not sets.dynamic:
         raise ConfigurationError(
             "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 or call hvd.init(process_sets='dynamic') to add process sets "
             "after initialization; static sets go to hvd.init(process_sets=[...])."
         )
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    return _register(process_set)
+    return sets.register(process_set)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a dynamic set on every rank; False for the global set or one not registered."""
-    if process_set.process_set_id in (None, 0) or _registry.get(process_set.process_set_id) is not process_set:
+    sets = registry()
+    if process_set.process_set_id == 0 or not sets.holds(process_set):
         return False
-    if not _dynamic:
+    if not sets.dynamic:
         raise ConfigurationError(
             "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 or call hvd.init(process_sets='dynamic') to remove process sets."
         )
     scopes = [process_set._scope, process_set._negotiated]
-    del _registry[process_set.process_set_id]
+    del sets.sets[process_set.process_set_id]
     process_set.invalidate()
     for scope in scopes:
         if scope is not None and runtime.rank() in scope.ranks:
@@ -139,7 +202,7 @@ def scope_of(process_set: ProcessSet) -> collectives.Scope | None:
     """The collectives scope of ``process_set`` for this rank (``None``: the whole job)."""
     if process_set is global_process_set or process_set.process_set_id == 0:
         return None
-    if process_set.process_set_id is None or _registry.get(process_set.process_set_id) is not process_set:
+    if not registry().holds(process_set):
         raise ConfigurationError(
             f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or hvd.add_process_set() "
             "on every rank first."
@@ -149,12 +212,6 @@ def scope_of(process_set: ProcessSet) -> collectives.Scope | None:
             f"rank {runtime.rank()} is not part of {process_set}: only its members may run its collectives."
         )
     return process_set._scope
-
-
-def negotiated_scope(process_set_id: int) -> collectives.Scope | None:
-    """The groups that process set ``process_set_id``'s negotiated operations run on (``None`` in a
-    world of one)."""
-    return _registry[process_set_id]._negotiated
 
 
 def members(process_set: ProcessSet) -> list[int]:
@@ -179,24 +236,6 @@ def root_position(process_set: ProcessSet, root_rank: int) -> int:
 def set_size(process_set: ProcessSet) -> int:
     """The number of ranks in ``process_set`` (the job's size, for the global set)."""
     return int(process_set.size() or 0)
-
-
-def _register(process_set: ProcessSet) -> ProcessSet:
-    global _next_id
-    ranks = process_set.ranks or []
-    world = runtime.size()
-    if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
-        raise ConfigurationError(f"a process set needs distinct ranks in [0, {world}), got {ranks}.")
-    if any(existing.ranks == ranks for existing in _registry.values() if existing is not global_process_set):
-        raise ConfigurationError(f"a process set with ranks {ranks} is already registered; reuse it.")
-    # the whole job: the global group serves its collectives
-    process_set._scope = None if ranks == list(range(world)) else new_scope(ranks)
-    process_set._negotiated = new_scope(ranks)
-    process_set.process_set_id = _next_id
-    _registry[_next_id] = process_set
-    _next_id += 1
-    logger.debug("process set %s registered", process_set)
-    return process_set
 
 
 def new_scope(ranks: list[int]) -> collectives.Scope | None:
