@@ -14,9 +14,10 @@ from torch import nn
 
 import phalanx as px
 from tests.harness import run_workers
-from tests.train.test_fit import EPOCHS, GLOBAL_BATCH, SAMPLES, _dataset
+from tests.train.test_fit import GLOBAL_BATCH, SAMPLES, _dataset
 
 LR = 0.01
+EPOCHS = 2  # 10 steps, each epoch ending on a short batch
 
 
 def _model() -> nn.Module:
@@ -58,6 +59,9 @@ def _unsharded_and_sharded(level: int, options: dict[str, Any]) -> tuple[dict, d
     (3, 2, {"clip_grad_norm": 0.05, "accumulate_steps": 2}),
     (4, 2, {"precision": "bf16-mixed"}),
     (4, 1, {}),
+    (2, 3, {"clip_grad_norm": 0.05, "accumulate_steps": 2}),
+    (3, 3, {"precision": "bf16-mixed"}),
+    (4, 3, {}),
 ])
 def test_each_level_trains_as_data_parallel(world_size: int, level: int, options: dict) -> None:
     """Equal weights and history at 1 to 4 workers; 140 samples in batches of 30 end on a short batch."""
@@ -69,22 +73,26 @@ def test_each_level_trains_as_data_parallel(world_size: int, level: int, options
     assert unsharded["history"]["accuracy"][-1] > 0.6
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_reproducible_mode_gives_the_same_bits_for_any_worker_count(level: int) -> None:
+def _every_level(options: dict[str, Any], unsharded: bool) -> dict[int, dict[str, torch.Tensor]]:
+    return {level: _fit(level, **options)["weights"] for level in ((0,) if unsharded else ()) + (1, 2, 3)}
+
+
+def test_reproducible_mode_gives_the_same_bits_for_any_worker_count_at_every_level() -> None:
+    """Ranks run different numbers of micro-batches (the short batch of 20 is 4 of them)."""
     options = {"reproducible": True, "micro_batch_size": 5, "clip_grad_norm": 0.05}
-    runs = {world: run_workers(_fit_with, world, level, options, timeout=150) for world in (1, 2, 3, 4)}
-    unsharded = run_workers(_fit_with, 2, 0, options, timeout=150)[0]["weights"]
-    reference = runs[1][0]["weights"]
+    runs = {world: run_workers(_every_level, world, options, world == 2, timeout=150) for world in (1, 2, 3, 4)}
+    reference = runs[1][0][1]
     for world, results in runs.items():
         for result in results:
-            for name, value in reference.items():
-                assert torch.equal(result["weights"][name], value), (world, name)
-    for name, value in unsharded.items():
+            for level in (1, 2, 3):
+                for name, value in reference.items():
+                    assert torch.equal(result[level][name], value), (world, level, name)
+    for name, value in runs[2][0][0].items():  # unsharded reproducible training
         torch.testing.assert_close(reference[name], value, rtol=1e-6, atol=1e-7)
 
 
 def _held_after_a_step(level: int) -> dict[str, int]:
-    """Tensor bytes this worker holds after a step: optimizer state and gradients."""
+    """Elements this worker holds after a step: optimizer state, gradients, parameters."""
     model, (x, y) = _model(), _dataset()
     model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(model, _adam(model))
     loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
@@ -94,44 +102,51 @@ def _held_after_a_step(level: int) -> dict[str, int]:
         optimizer.step()
         break
     state = sum(v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
-    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                for p in model.parameters() if p.grad is not None}
-    buckets = sum(b.flat.untyped_storage().nbytes() for b in model.reducer._buckets)
-    return {"state": state, "grads": sum(storages.values()), "buckets": buckets,
+    grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() // 4
+             for p in model.parameters() if p.grad is not None}
+    buckets = sum(b.flat.untyped_storage().nbytes() // 4 for b in model.reducer._buckets)
+    whole = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() // 4 for p in model.parameters()}
+    return {"state": state, "grads": sum(grads.values()), "buckets": buckets, "whole": sum(whole.values()),
+            "chunks": sum(p.numel() for p in optimizer.stepping.param_groups[0]["params"] +
+                          optimizer.stepping.param_groups[1]["params"]),
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def test_a_worker_holds_its_shard_of_the_optimizer_state_and_at_level_2_no_gradient_between_steps() -> None:
-    level1 = run_workers(_held_after_a_step, 4, 1)
-    level2 = run_workers(_held_after_a_step, 4, 2)
-    params = level1[0]["params"]
-    for held in level1 + level2:  # Adam's two moments of a quarter of the parameters, give or take a unit's rounding
-        assert 2 * params / 4 - 2 * 4 * 8 <= held["state"] <= 2 * params / 4 + 2 * 4 * 8
-    assert all(held["buckets"] >= 4 * params for held in level1)  # the reduced gradients stay, as in DataParallel
-    assert all(held["grads"] == 0 and held["buckets"] == 0 for held in level2)
+def test_a_worker_holds_its_shard_of_each_level_and_nothing_more_between_steps() -> None:
+    """Four workers: Adam's moments of a quarter of the parameters at every level (give or take a
+    unit's rounding); at levels 2 and 3 no gradient memory between steps; at level 3 no whole parameter."""
+    held = {level: run_workers(_held_after_a_step, 4, level) for level in (1, 2, 3)}
+    params = held[1][0]["params"]
+    for level, workers in held.items():
+        for worker in workers:
+            assert 2 * params / 4 - 2 * 4 * 8 <= worker["state"] <= 2 * params / 4 + 2 * 4 * 8, (level, worker)
+            assert params / 4 - 4 * 8 <= worker["chunks"] <= params / 4 + 4 * 8, (level, worker)
+    assert all(worker["buckets"] >= params and worker["whole"] == params for worker in held[1])
+    assert all(worker["grads"] == 0 and worker["buckets"] == 0 and worker["whole"] == params for worker in held[2])
+    assert all(worker["grads"] == 0 and worker["buckets"] == 0 and worker["whole"] == 0 for worker in held[3])
 
 
 def _hand_loop(level: int) -> dict[str, torch.Tensor]:
     model, (x, y) = _model(), _dataset()
     optimizer = _adam(model)
-    if level:
-        model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(model, optimizer)
+    strategy = px.Sharded(level=level, fusion_threshold_mb=0.001) if level else None
+    if strategy is not None:
+        model, optimizer = strategy.setup(model, optimizer)
     else:
         model = px.DataParallel(model)
-    for epoch in range(2):
-        loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
-        loader.set_epoch(epoch)
-        for inputs, targets in loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(inputs), targets).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # reads gradients: harmless, as with DDP
-            optimizer.step()
+    for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    if strategy is not None:
+        strategy.finish()  # level 3: the whole parameters back in the model
     return _weights(model.module)
 
 
-def test_a_hand_written_loop_trains_as_with_data_parallel() -> None:
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_hand_written_loop_trains_as_with_data_parallel(level: int) -> None:
     unsharded = run_workers(_hand_loop, 3, 0)[0]
-    for weights in run_workers(_hand_loop, 3, 2):
+    for weights in run_workers(_hand_loop, 3, level):
         for name, value in unsharded.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
 
@@ -140,10 +155,11 @@ def _resumed(level: int, epochs: int, directory: str) -> dict[str, Any]:
     return _fit(level, epochs=epochs, checkpoint_dir=directory)
 
 
-def test_a_checkpoint_resumes_at_another_worker_count_and_level(tmp_path: Path) -> None:
-    """Two epochs at 2 workers, level 2; the rest at 3 workers, level 1: as four epochs unsharded."""
-    run_workers(_resumed, 2, 2, 2, str(tmp_path))
-    resumed = run_workers(_resumed, 3, 1, EPOCHS, str(tmp_path), timeout=150)
+@pytest.mark.parametrize("first, then", [((2, 2), (3, 1)), ((3, 3), (2, 2))])
+def test_a_checkpoint_resumes_at_another_worker_count_and_level(tmp_path: Path, first: tuple, then: tuple) -> None:
+    """One epoch at one (workers, level), the next at another: as two epochs unsharded."""
+    run_workers(_resumed, first[0], first[1], 1, str(tmp_path))
+    resumed = run_workers(_resumed, then[0], then[1], EPOCHS, str(tmp_path), timeout=150)
     straight = run_workers(_fit, 2, 0)[0]
     for result in resumed:
         for name, value in straight["weights"].items():

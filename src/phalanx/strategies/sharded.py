@@ -23,7 +23,6 @@ SparseAdam) is refused by name; one of your own that is elementwise is accepted 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -31,84 +30,21 @@ from torch import nn
 
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
-from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket, plan_buckets
+from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
 from phalanx.strategies.base import (FitOptions, Strategy, refuse, refuse_parameter_servers_launched, wrap)
 from phalanx.strategies.held import HeldOptimizer
+from phalanx.strategies.gathering import Gathering, cut
+from phalanx.strategies.shard_layout import Unit, check_stepped, lay_out
 
-LEVELS = (1, 2)
+LEVELS = (1, 2, 3)
 
 #: torch optimizers whose update of an element depends on that element alone (and scalars).
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
                torch.optim.ASGD, torch.optim.Rprop)
-
-
-@dataclass
-class Unit:
-    """Parameters of one optimizer group laid out in one flat buffer; this rank steps ``shard``."""
-
-    group: int
-    params: list[nn.Parameter]
-    flat: torch.Tensor
-    bounds: list[tuple[int, int]]  # every rank's chunk of ``flat``, in rank order
-    shard: nn.Parameter = field(init=False)
-
-    def __post_init__(self) -> None:
-        start, stop = self.bounds[runtime.rank()]
-        self.shard = nn.Parameter(self.flat[start:stop], requires_grad=True)
-
-    @property
-    def own(self) -> slice:
-        start, stop = self.bounds[runtime.rank()]
-        return slice(start, stop)
-
-    def full_gradient(self) -> torch.Tensor | None:
-        """The unit's whole gradient as one flat view when the engine left it contiguous (its bucket),
-        else a copy; ``None`` when no parameter has a gradient."""
-        grads = [p.grad for p in self.params]
-        if all(g is None for g in grads):
-            return None
-        first = grads[0]
-        if first is not None and all(g is not None for g in grads):
-            offset, base = first.storage_offset(), first.untyped_storage().data_ptr()
-            contiguous = True
-            for grad, param in zip(grads, self.params):
-                contiguous &= (grad.untyped_storage().data_ptr() == base and grad.storage_offset() == offset
-                               and grad.is_contiguous())
-                offset += param.numel()
-            if contiguous:
-                return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (self.flat.numel(),))
-        return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                          for g, p in zip(grads, self.params)])
-
-
-def lay_out(optimizer: torch.optim.Optimizer, model: nn.Module, threshold_mb: float) -> list[Unit]:
-    """The units of ``optimizer``'s parameters, in the order gradients usually become ready (last
-    registered first); each parameter's data becomes a view of its unit's flat buffer."""
-    trained = {id(p) for p in model.parameters() if p.requires_grad}
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if trained - stepped:
-        names = [name for name, p in model.named_parameters() if id(p) in trained - stepped]
-        raise ConfigurationError(f"px.Sharded steps parameters through the optimizer, which lacks {names[:3]}: give "
-                                 "the optimizer every parameter that requires grad, or set requires_grad=False.")
-    world = runtime.size()
-    units = []
-    for index in reversed(range(len(optimizer.param_groups))):
-        params = [p for p in reversed(optimizer.param_groups[index]["params"]) if p.requires_grad]
-        for group in plan_buckets(params, threshold_mb):
-            members = [params[i] for i in group]
-            flat = torch.cat([p.detach().reshape(-1) for p in members])
-            offset = 0
-            for param in members:
-                param.data = flat[offset: offset + param.numel()].view_as(param)
-                offset += param.numel()
-            sizes = [len(chunk) for chunk in torch.arange(flat.numel()).tensor_split(world)]
-            starts = [sum(sizes[:r]) for r in range(world)]
-            units.append(Unit(index, members, flat, [(s, s + n) for s, n in zip(starts, sizes)]))
-    return units
 
 
 class ShardedReduction(Reduction):
@@ -160,9 +96,10 @@ class ShardedOptimizer(HeldOptimizer):
 
     strategy = "px.Sharded"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], model: DataParallel, level: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], model: DataParallel, level: int,
+                 gathering: Gathering | None = None):
         super().__init__(optimizer)
-        self.units, self.model, self.level = units, model, level
+        self.units, self.model, self.level, self.gathering = units, model, level, gathering
         groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
                   for index, group in enumerate(optimizer.param_groups)]
         self.stepping = type(optimizer)(groups, **optimizer.defaults)
@@ -179,8 +116,8 @@ class ShardedOptimizer(HeldOptimizer):
         """Clip by the norm of the whole gradient: from the whole reduced gradient where every rank
         holds it (level 1, reproducible mode: the same numbers as unsharded clipping), else from the
         chunks' squared norms summed over ranks."""
-        if self._whole_gradients():
-            clipping.clip_parameters(p for unit in self.units for p in unit.params)
+        if self._whole_gradients():  # in the user's order, as unsharded clipping sums the norms
+            clipping.clip_parameters(p for group in self.optimizer.param_groups for p in group["params"])
             return
         self._collect()
         clipping.clip_parameters((unit.shard for unit in self.units), sum_over_shards=_sum_over_ranks)
@@ -202,8 +139,11 @@ class ShardedOptimizer(HeldOptimizer):
         for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
             mine.update(_hyperparameters(theirs))
         self.stepping.step()
-        self._gather()
-        if self.level == 2 and self.model.reducer is not None and not self._whole_gradients():
+        if self.gathering is not None:
+            self.gathering.after_step()  # gathered copies are stale now
+        else:
+            self._gather()
+        if self.level >= 2 and self.model.reducer is not None and not self._whole_gradients():
             self.model.reducer.release_buckets()
             for unit in self.units:
                 unit.shard.grad = None
@@ -281,18 +221,23 @@ def _sum_over_ranks(value: float) -> float:
 class Sharded(Strategy):
     """``px.fit(..., strategy=px.Sharded(level=2))``: see the module's docstring and docs/sharding.md.
 
-    ``level`` 1 shards the optimizer state, 2 also the gradients. ``elementwise`` names optimizer
-    classes of your own whose update of each element depends on that element alone, which the
-    strategy may then step chunk by chunk.
+    ``level`` 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (each block
+    gathered for its forward and backward). ``elementwise`` names optimizer classes of your own whose
+    update of each element depends on that element alone, which the strategy may then step chunk by
+    chunk. ``fusion_threshold_mb`` sizes the units (levels 1-2) and the blocks (level 3);
+    ``gather_on_finish`` (level 3) hands the whole model back when training ends.
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
-                 fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB):
+                 fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB, gather_on_finish: bool = True):
         if level not in LEVELS:
             raise ConfigurationError(f"px.Sharded(level=...) must be one of {list(LEVELS)}, got {level!r}.")
         self.level = level
         self.elementwise = (*ELEMENTWISE, *elementwise)
         self.fusion_threshold_mb = fusion_threshold_mb
+        self.gather_on_finish = gather_on_finish
+        self.gathering: Gathering | None = None
+        self.reproducible = False
         self.nonfinite_agreement = "gradient" if level == 1 else "collective"
 
     @property
@@ -301,6 +246,7 @@ class Sharded(Strategy):
 
     def check(self, options: FitOptions) -> None:
         refuse_parameter_servers_launched(self.name)
+        self.reproducible = options.reproducible  # level 3 then keeps the parameters whole during a step
         if options.several_optimizers:
             refuse(self.name, "a list of optimizers", "the shards are laid out over one optimizer's parameter groups; "
                    "use one optimizer with parameter groups.")
@@ -324,7 +270,21 @@ class Sharded(Strategy):
             raise ConfigurationError(f"{self.name} needs an optimizer that has not stepped yet: set the strategy up "
                                      "first, then load a saved state with optimizer.load_state_dict.")
         wrapped = wrap(model)
-        units = lay_out(optimizer, wrapped.module, self.fusion_threshold_mb)
+        if self.level == 3:
+            check_stepped(optimizer, wrapped.module)
+            group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+            self.gathering = Gathering(wrapped.module, cut(wrapped.module, self.fusion_threshold_mb, group_of),
+                                       whole_between_steps=self.reproducible)
+            units = self.gathering.units
+            reduced = units[::-1]  # buckets in the order gradients become ready: the last block's first
+        else:
+            units = reduced = lay_out(optimizer, wrapped.module, self.fusion_threshold_mb)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
-        wrapped.rebuild_reducer(reduction=ShardedReduction(units, params, scatter=self.level == 2))
-        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level)
+        wrapped.rebuild_reducer(reduction=ShardedReduction(reduced, params, scatter=self.level >= 2))
+        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering)
+
+    def finish(self, history: dict[str, Any] | None = None) -> None:
+        """Level 3: the model the user passed gets its whole parameters back, the hooks removed
+        (unless ``gather_on_finish=False``: then each rank keeps its chunks, see docs/sharding.md)."""
+        if self.gathering is not None and self.gather_on_finish:
+            self.gathering.remove()

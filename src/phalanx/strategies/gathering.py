@@ -1,0 +1,238 @@
+"""Level 3 of ``px.Sharded``: each block's parameters gathered for its forward and backward, freed after.
+
+A *block* is a module whose parameters are gathered together. The model is cut top down: a module
+of at most ``threshold_mb`` of parameters (or without children) is one block; a larger one gives
+each child its own cut and keeps the parameters it holds directly in a block gathered around its
+whole forward. A parameter two blocks share (tied embeddings) joins the root's block, gathered for
+the whole forward and backward.
+
+Between uses a block's flat buffers hold no memory; each rank keeps only its chunks (the
+optimizer's parameters). Forward: a block's pre-forward hook waits for its gather (launched when
+the block before it started, in the order the first forward took) and its forward hook frees it.
+Backward: the first gradient to reach the block's outputs gathers it again (and launches the
+gather of the block before it); once each of its parameters has its gradient the block is freed,
+and whatever is still gathered when the backward ends is freed then. Every rank runs the same
+forward, so every rank issues the same gathers in the same order.
+
+Reproducible mode runs a different number of micro-batches on each rank, so there the gathers
+cannot follow the passes: the parameters are gathered whole after each optimizer step and kept
+for the step (``whole_between_steps``), and only the optimizer state and gradients stay sharded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from phalanx.comm import collectives, runtime
+from phalanx.strategies.shard_layout import Unit, units_of
+
+logger = logging.getLogger(__name__)
+
+
+class Block:
+    """One module's parameters (those no smaller block holds), as units gathered and freed together."""
+
+    def __init__(self, module: nn.Module, name: str, units: list[Unit]):
+        self.module, self.name, self.units = module, name, units
+        self.gathered = True  # laid out whole; freed once the gathering starts
+        self._in_flight: list[Any] = []
+        self.remaining = 0  # parameters still waiting for their gradient in this backward
+
+    @property
+    def trained(self) -> int:
+        return sum(1 for unit in self.units for p in unit.params if p.requires_grad)
+
+    def launch(self) -> None:
+        """Start gathering every rank's chunks into the flat buffers (nothing if gathered or under way)."""
+        if self.gathered or self._in_flight:
+            return
+        for unit in self.units:
+            unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
+            if runtime.size() == 1:
+                self._in_flight.append(None)
+            else:
+                self._in_flight.append(collectives.allgather(unit.shard.detach(), async_op=True, check=False))
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Have the parameters whole (launching the gather first if nobody did)."""
+        if self.gathered:
+            return
+        self.launch()
+        for unit, handle in zip(self.units, self._in_flight):
+            unit.flat.copy_(unit.shard if handle is None else handle.wait())
+        self._in_flight, self.gathered = [], True
+
+    def free(self) -> None:
+        if not self.gathered:
+            return
+        for unit in self.units:
+            unit.flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list[Block]:
+    """The model's blocks, in registration order (roughly the forward's), every trained parameter in one."""
+    limit = threshold_mb * 2**20
+    owners: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module_name)
+    chosen: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+    taken: set[int] = set()
+
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+    def visit(name: str, module: nn.Module) -> None:
+        children = list(module.named_children())
+        whole = size(module) <= limit or not children
+        own = module.parameters() if whole else module.parameters(recurse=False)
+        params = [p for p in own if p.requires_grad and id(p) not in taken and len(owners[id(p)]) == 1]
+        taken.update(id(p) for p in params)
+        if params:
+            chosen.append((name, module, params))
+        if not whole:
+            for child_name, child in children:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    shared = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    if shared:  # tied parameters: gathered for the whole forward, with the root's own
+        root = [entry for entry in chosen if entry[1] is model]
+        params = (root[0][2] if root else []) + shared
+        chosen = [entry for entry in chosen if entry[1] is not model]
+        chosen.insert(0, ("", model, params))
+    return [Block(module, name or "(the model itself)", units_of(params, group_of, apart=True))
+            for name, module, params in chosen]
+
+
+class Gathering:
+    """The hooks that gather and free the blocks of one model around its forward and backward."""
+
+    def __init__(self, model: nn.Module, blocks: list[Block], whole_between_steps: bool = False):
+        self.model, self.blocks, self.whole_between_steps = model, blocks, whole_between_steps
+        self._order: list[Block] = []  # the first forward's order: what to prefetch next
+        self._ending_queued = False
+        self._handles: list[RemovableHandle] = []
+        for block in blocks:
+            self._handles.append(block.module.register_forward_pre_hook(self._before_forward(block)))
+            self._handles.append(block.module.register_forward_hook(self._after_forward(block)))
+            for unit in block.units:
+                for param in unit.params:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_done(block)))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *_: self.gather_all()))
+        self._handles.append(model.register_load_state_dict_pre_hook(lambda *_: self.gather_all()))
+        self._handles.append(model.register_load_state_dict_post_hook(lambda *_: self._keep_loaded()))
+        if not whole_between_steps:
+            for block in blocks:
+                block.free()
+
+    @property
+    def units(self) -> list[Unit]:
+        return [unit for block in self.blocks for unit in block.units]
+
+    def gather_all(self) -> None:
+        """Every parameter whole (collective): for a state dict, or for the model handed back."""
+        for block in self.blocks:
+            block.launch()
+        for block in self.blocks:
+            block.wait()
+
+    def after_step(self) -> None:
+        """The chunks changed: gathered copies are stale (gathered afresh when whole between steps)."""
+        self.free_all(even_whole=True)
+        if self.whole_between_steps:
+            self.gather_all()
+
+    def free_all(self, even_whole: bool = False) -> None:
+        """Forget every gathered copy (at the end of a pass, unless kept whole between steps)."""
+        if self.whole_between_steps and not even_whole:
+            return
+        for block in self.blocks:
+            if block._in_flight:
+                block.wait()
+            block.free()
+
+    def remove(self) -> None:
+        """Detach every hook, leaving the model whole and plain (the end of training)."""
+        self.gather_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @torch.no_grad()
+    def _keep_loaded(self) -> None:
+        """A state loaded into the whole parameters becomes each rank's chunks."""
+        for unit in self.units:
+            unit.shard.copy_(unit.flat[unit.own])
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    def _before_forward(self, block: Block) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if block not in self._order:
+                self._order.append(block)
+            block.wait()
+            following = self._neighbour(block, +1)
+            if following is not None:
+                following.launch()
+
+        return hook
+
+    def _after_forward(self, block: Block) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(outputs, self._before_backward(block), mode="any")
+            if not self.whole_between_steps:
+                block.free()
+
+        return hook
+
+    def _before_backward(self, block: Block) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._ending_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._ending_queued = True
+            block.remaining = block.trained
+            block.wait()
+            previous = self._neighbour(block, -1)
+            if previous is not None:
+                previous.launch()
+
+        return hook
+
+    def _gradient_done(self, block: Block) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            block.remaining -= 1
+            if block.remaining == 0 and not self.whole_between_steps:
+                block.free()
+
+        return hook
+
+    def _end_backward(self) -> None:
+        self._ending_queued = False
+        self.free_all()
+
+    def _neighbour(self, block: Block, step: int) -> Block | None:
+        if block not in self._order:
+            return None
+        index = self._order.index(block) + step
+        return self._order[index] if 0 <= index < len(self._order) else None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)

@@ -1,0 +1,105 @@
+"""How px.Sharded lays parameters out: units of one flat buffer each, a contiguous chunk per rank.
+
+A unit holds parameters of one optimizer parameter group and one dtype. Levels 1 and 2 cut the
+parameters into units a gradient bucket long, in the order gradients usually become ready (last
+registered first), and each unit is also one bucket of the gradient engine. Level 3 cuts the model
+into *blocks* (modules whose parameters are gathered together for their forward and backward,
+:mod:`phalanx.strategies.gathering`) and each block into units. Each rank's chunk follows
+``torch.tensor_split``'s cut, the cut of the engine's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.comm import runtime
+from phalanx.errors import ConfigurationError
+from phalanx.parallel.buckets import plan_buckets
+
+
+@dataclass
+class Unit:
+    """Parameters of one optimizer group laid out in one flat buffer; this rank steps ``shard``."""
+
+    group: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    bounds: list[tuple[int, int]]  # every rank's chunk of ``flat``, in rank order
+    #: The chunk apart from ``flat`` (level 3, which frees ``flat`` between uses), else a view of it.
+    apart: bool = False
+    shard: nn.Parameter = field(init=False)
+
+    def __post_init__(self) -> None:
+        chunk = self.flat[self.own]
+        self.shard = nn.Parameter(chunk.clone() if self.apart else chunk, requires_grad=True)
+
+    @property
+    def own(self) -> slice:
+        start, stop = self.bounds[runtime.rank()]
+        return slice(start, stop)
+
+    def full_gradient(self) -> torch.Tensor | None:
+        """The unit's whole gradient as one flat view when the engine left it contiguous (its bucket),
+        else a copy; ``None`` when no parameter has a gradient."""
+        grads = [p.grad for p in self.params]
+        if all(g is None for g in grads):
+            return None
+        first = grads[0]
+        if first is not None and all(g is not None for g in grads):
+            offset, base = first.storage_offset(), first.untyped_storage().data_ptr()
+            contiguous = True
+            for grad, param in zip(grads, self.params):
+                contiguous &= (grad.untyped_storage().data_ptr() == base and grad.storage_offset() == offset
+                               and grad.is_contiguous())
+                offset += param.numel()
+            if contiguous:
+                return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (self.flat.numel(),))
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                          for g, p in zip(grads, self.params)])
+
+
+def check_stepped(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Every parameter that requires grad is the optimizer's: the strategy steps them through it."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trained - stepped:
+        names = [name for name, p in model.named_parameters() if id(p) in trained - stepped]
+        raise ConfigurationError(f"px.Sharded steps parameters through the optimizer, which lacks {names[:3]}: give "
+                                 "the optimizer every parameter that requires grad, or set requires_grad=False.")
+
+
+def lay_out(optimizer: torch.optim.Optimizer, model: nn.Module, threshold_mb: float) -> list[Unit]:
+    """Units a bucket long of ``optimizer``'s parameters, in the order gradients usually become ready
+    (last registered first); each parameter's data becomes a view of its unit's flat buffer."""
+    check_stepped(optimizer, model)
+    units = []
+    for index in reversed(range(len(optimizer.param_groups))):
+        params = [p for p in reversed(optimizer.param_groups[index]["params"]) if p.requires_grad]
+        units += [unit_of(index, [params[i] for i in group]) for group in plan_buckets(params, threshold_mb)]
+    return units
+
+
+def units_of(params: Iterable[nn.Parameter], group_of: dict[int, int], apart: bool) -> list[Unit]:
+    """``params`` (one block's) as units, one per optimizer group and dtype."""
+    keyed: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+    for param in params:
+        keyed.setdefault((group_of[id(param)], param.dtype), []).append(param)
+    return [unit_of(group, members, apart) for (group, _), members in keyed.items()]
+
+
+def unit_of(group: int, members: Sequence[nn.Parameter], apart: bool = False) -> Unit:
+    """One unit of ``members``, whose data become views of its flat buffer."""
+    flat = torch.cat([p.detach().reshape(-1) for p in members])
+    offset = 0
+    for param in members:
+        param.data = flat[offset: offset + param.numel()].view_as(param)
+        offset += param.numel()
+    sizes = [len(chunk) for chunk in torch.arange(flat.numel()).tensor_split(runtime.size())]
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    return Unit(group, list(members), flat, [(s, s + n) for s, n in zip(starts, sizes)], apart)
+
+
