@@ -231,3 +231,26 @@ def test_an_elementwise_optimizer_of_your_own_is_stepped_once_named() -> None:
 
 
 assert SAMPLES % GLOBAL_BATCH, "the data must end on a short batch"
+
+
+def _compiled(level: int) -> dict[str, Any]:
+    model, (x, y) = _model(), _dataset()
+    optimizer = _adam(model)
+    try:
+        model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(torch.compile(model, backend="eager"),
+                                                                                 optimizer)
+    except px.ConfigurationError as refused:
+        return {"refused": str(refused)}
+    for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    return {"weights": _weights(model.module._orig_mod)}
+
+
+def test_torch_compile_trains_at_level_2_and_is_refused_at_level_3() -> None:
+    reference = run_workers(_hand_loop, 2, 0)[0]
+    for result in run_workers(_compiled, 2, 2, timeout=150):
+        for name, value in reference.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+    assert "level 3 frees and gathers" in run_workers(_compiled, 1, 3)[0]["refused"]

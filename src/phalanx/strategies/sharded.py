@@ -271,6 +271,10 @@ class Sharded(Strategy):
                                      "first, then load a saved state with optimizer.load_state_dict.")
         wrapped = wrap(model)
         if self.level == 3:
+            if any(hasattr(module, "_orig_mod") for module in wrapped.modules()):
+                raise ConfigurationError(f"{self.name} with a model under torch.compile: level 3 frees and gathers the "
+                                         "parameters' memory around each block, which compiled code does not follow; "
+                                         "use level 2 with torch.compile, or level 3 without it.")
             check_stepped(optimizer, wrapped.module)
             group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
             self.gathering = Gathering(wrapped.module, cut(wrapped.module, self.fusion_threshold_mb, group_of),
