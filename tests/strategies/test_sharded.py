@@ -35,11 +35,13 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def _fit(level: int, epochs: int = EPOCHS, optimizer: Any = _adam, **options: Any) -> dict[str, Any]:
+def _fit(level: int, epochs: int = EPOCHS, optimizer: Any = _adam, shared_memory: bool | str = "auto",
+         **options: Any) -> dict[str, Any]:
     """Train with px.Sharded(level) (level 0: px.DataParallel); units of a few hundred bytes, so
-    that a model this small is still cut into several units and every rank holds a chunk of each."""
+    that a model this small is still cut into several units and every rank holds a chunk of each.
+    On this host levels 1-2 keep the units in shared memory unless ``shared_memory=False``."""
     model = _model()
-    strategy = px.Sharded(level=level, fusion_threshold_mb=0.001) if level else None
+    strategy = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None
     history = px.fit(model, optimizer(model), F.cross_entropy, _dataset(), epochs=epochs,
                      global_batch_size=GLOBAL_BATCH, metrics=["accuracy"], verbose=0, strategy=strategy, **options)
     return {"weights": _weights(model), "history": history.history}
@@ -50,13 +52,16 @@ def _fit_with(level: int, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unsharded_and_sharded(level: int, options: dict[str, Any]) -> tuple[dict, dict]:
-    return _fit(0, **options), _fit(level, **options)
+    shared_memory = options.pop("shared_memory", "auto")
+    return _fit(0, **options), _fit(level, shared_memory=shared_memory, **options)
 
 
 @pytest.mark.parametrize("world_size, level, options", [
     (1, 2, {}),
     (2, 1, {"clip_grad_norm": 0.05}),  # clipping every step (the gradient norms are about 0.3)
+    (2, 1, {"shared_memory": False}),  # each worker its copy of the units, kept equal by all-gathers
     (3, 2, {"clip_grad_norm": 0.05, "accumulate_steps": 2}),
+    (3, 2, {"clip_grad_norm": 0.05, "shared_memory": False}),  # reduce-scattered
     (4, 2, {"precision": "bf16-mixed"}),
     (4, 1, {}),
     (2, 3, {"clip_grad_norm": 0.05, "accumulate_steps": 2}),
@@ -79,8 +84,9 @@ def _every_level(options: dict[str, Any], unsharded: bool) -> dict[int, dict[str
 
 def test_reproducible_mode_gives_the_same_bits_for_any_worker_count_at_every_level() -> None:
     """Ranks run different numbers of micro-batches (the short batch of 20 is 4 of them)."""
-    options = {"reproducible": True, "micro_batch_size": 5, "clip_grad_norm": 0.05}
+    options = {"reproducible": True, "micro_batch_size": 5, "clip_grad_norm": 0.05, "epochs": 1}
     runs = {world: run_workers(_every_level, world, options, world == 2, timeout=150) for world in (1, 2, 3, 4)}
+    runs["4, each its copy"] = run_workers(_every_level, 4, {**options, "shared_memory": False}, False, timeout=150)
     reference = runs[1][0][1]
     for world, results in runs.items():
         for result in results:
@@ -92,9 +98,10 @@ def test_reproducible_mode_gives_the_same_bits_for_any_worker_count_at_every_lev
 
 
 def _held_after_a_step(level: int) -> dict[str, int]:
-    """Elements this worker holds after a step: optimizer state, gradients, parameters."""
+    """Elements this worker holds after a step: optimizer state, gradients, parameters (each worker
+    its own copy of the units: not in shared memory)."""
     model, (x, y) = _model(), _dataset()
-    model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(model, _adam(model))
+    model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=False).setup(model, _adam(model))
     loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
     for inputs, targets in loader:
         optimizer.zero_grad()

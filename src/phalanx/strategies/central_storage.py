@@ -12,7 +12,7 @@ two barriers, and nothing is broadcast.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from phalanx.strategies.base import (
     refuse_without_replicas,
     wrap,
 )
+from phalanx.strategies import host_memory
 from phalanx.strategies.held import HeldOptimizer
 
 
@@ -87,28 +88,6 @@ class StoredOptimizer(HeldOptimizer):
         self.optimizer.load_state_dict(state_dict if self.is_storage else {**state_dict, "state": {}})
 
 
-def move_into_shared_memory(params: Sequence[nn.Parameter], storage: int) -> None:
-    """Give every rank's parameters the same storage: one host-wide segment, filled by ``storage``.
-
-    Collective. Each parameter's data becomes a view of the segment (aligned to 64 bytes), so
-    the copies the ranks held are freed and a step taken by the storage rank is seen by all.
-    """
-    offsets, end = [], 0
-    for param in params:
-        end = -(-end // 64) * 64
-        offsets.append(end)
-        end += param.numel() * param.element_size()
-    arena = runtime.host_arena("params", end)
-    views = [arena[start: start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-             for start, p in zip(offsets, params)]
-    if runtime.rank() == storage:
-        for view, param in zip(views, params):
-            view.copy_(param.detach())
-    collectives.barrier()
-    for view, param in zip(views, params):
-        param.data = view
-
-
 class CentralStorage(Strategy):
     """``px.fit(..., strategy=px.CentralStorage())``: the optimizer state on one rank only.
 
@@ -148,12 +127,13 @@ class CentralStorage(Strategy):
         wrapped.rebuild_reducer(reduction=ReduceToStorage(self.rank))
         params = list(wrapped.parameters())
         shared = self._share_parameters() and bool(params)
-        if shared:
-            move_into_shared_memory(params, self.rank)
+        if shared:  # every rank's parameters become views of one host-wide segment, filled by the storage rank
+            for param, view in zip(params, host_memory.shared_copies(params, self.rank, "params")):
+                param.data = view
         return wrapped, StoredOptimizer(optimizer, params, self.rank, shared)
 
     def _share_parameters(self) -> bool:
-        possible = runtime.size() > 1 and runtime.shares_one_host() and runtime.device().type == "cpu"
+        possible = host_memory.possible()
         if self.shared_memory is True and not possible:
             raise ConfigurationError("CentralStorage(shared_memory=True) needs several CPU workers on one host "
                                      "with px.init(transport='auto' or 'shm'); use shared_memory='auto'.")

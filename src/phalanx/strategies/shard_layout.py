@@ -37,6 +37,17 @@ class Unit:
         chunk = self.flat[self.own]
         self.shard = nn.Parameter(chunk.clone() if self.apart else chunk, requires_grad=True)
 
+    def adopt(self, flat: torch.Tensor) -> None:
+        """Move into ``flat`` (as large, already holding the values): the parameters, and the chunk
+        unless it is apart, become views of it."""
+        self.flat = flat
+        offset = 0
+        for param in self.params:
+            param.data = flat[offset: offset + param.numel()].view_as(param)
+            offset += param.numel()
+        if not self.apart:
+            self.shard.data = flat[self.own]
+
     @property
     def own(self) -> slice:
         start, stop = self.bounds[runtime.rank()]
@@ -94,12 +105,10 @@ def units_of(params: Iterable[nn.Parameter], group_of: dict[int, int], apart: bo
 def unit_of(group: int, members: Sequence[nn.Parameter], apart: bool = False) -> Unit:
     """One unit of ``members``, whose data become views of its flat buffer."""
     flat = torch.cat([p.detach().reshape(-1) for p in members])
-    offset = 0
-    for param in members:
-        param.data = flat[offset: offset + param.numel()].view_as(param)
-        offset += param.numel()
     sizes = [len(chunk) for chunk in torch.arange(flat.numel()).tensor_split(runtime.size())]
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
-    return Unit(group, list(members), flat, [(s, s + n) for s, n in zip(starts, sizes)], apart)
+    unit = Unit(group, list(members), flat, [(s, s + n) for s, n in zip(starts, sizes)], apart)
+    unit.adopt(flat)
+    return unit
 
 

@@ -8,10 +8,13 @@ owns its chunk of every unit: the user's optimizer (its class and hyperparameter
 only those chunks, so Adam's two moments cost ``8 / W`` bytes per parameter instead of 8.
 
 * Level 1: each bucket is all-reduced as in ``px.DataParallel``; a rank steps its chunk (a view of
-  the reduced bucket), then every unit's chunks are all-gathered into the parameters.
+  the reduced bucket), then every unit's chunks are all-gathered into the parameters. When every
+  worker is on one CPU host (and reduces through shared memory) the units live once, in shared
+  memory: each rank steps its chunk in place between two barriers and nothing is gathered.
 * Level 2: each bucket is reduce-scattered instead, overlapped with backward as buckets are, so a
   rank receives only the sums of its chunk; after the step the buckets' memory is freed until the
-  next backward, and between steps a worker holds no gradient but its chunk's.
+  next backward, and between steps a worker holds no gradient but its chunk's. (With the units in
+  shared memory the buckets are all-reduced through it, which costs no more there.)
 
 An elementwise optimizer (SGD, Adam, AdamW, ...) computes the same numbers on a chunk as on the
 whole tensors, bit for bit (checked on this machine for every torch optimizer below), so sharded
@@ -36,6 +39,7 @@ from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
 from phalanx.strategies.base import (FitOptions, Strategy, refuse, refuse_parameter_servers_launched, wrap)
 from phalanx.strategies.held import HeldOptimizer
+from phalanx.strategies import host_memory
 from phalanx.strategies.gathering import Gathering, cut
 from phalanx.strategies.shard_layout import Unit, check_stepped, lay_out
 
@@ -97,9 +101,10 @@ class ShardedOptimizer(HeldOptimizer):
     strategy = "px.Sharded"
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[Unit], model: DataParallel, level: int,
-                 gathering: Gathering | None = None):
+                 gathering: Gathering | None = None, shared: bool = False):
         super().__init__(optimizer)
         self.units, self.model, self.level, self.gathering = units, model, level, gathering
+        self.shared = shared  # the units live once per host, in shared memory
         groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
                   for index, group in enumerate(optimizer.param_groups)]
         self.stepping = type(optimizer)(groups, **optimizer.defaults)
@@ -123,9 +128,14 @@ class ShardedOptimizer(HeldOptimizer):
         clipping.clip_parameters((unit.shard for unit in self.units), sum_over_shards=_sum_over_ranks)
 
     def _whole_gradients(self) -> bool:
-        reducer = self.model.reducer
-        return self.level == 1 or runtime.size() == 1 or reducer is None or \
-            not isinstance(getattr(reducer.summation, "reduction", None), ShardedReduction)
+        """Whether every rank holds the whole reduced gradient (else only its chunks are summed)."""
+        reduction = self._sharded_reduction()
+        return runtime.size() == 1 or reduction is None or not reduction.scatter
+
+    def _sharded_reduction(self) -> ShardedReduction | None:
+        """The engine's reduction when it is this strategy's (reproducible mode sums its own way)."""
+        reduction = getattr(self.model.reducer.summation, "reduction", None) if self.model.reducer else None
+        return reduction if isinstance(reduction, ShardedReduction) else None
 
     def _collect(self) -> None:
         """Each shard's gradient: its chunk of the unit's reduced gradient (a view where it can be)."""
@@ -138,12 +148,16 @@ class ShardedOptimizer(HeldOptimizer):
         self._collect()
         for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
             mine.update(_hyperparameters(theirs))
+        if self.shared:
+            collectives.barrier()  # nobody reads the parameters while they change
         self.stepping.step()
-        if self.gathering is not None:
+        if self.shared:
+            collectives.barrier()
+        elif self.gathering is not None:
             self.gathering.after_step()  # gathered copies are stale now
         else:
             self._gather()
-        if self.level >= 2 and self.model.reducer is not None and not self._whole_gradients():
+        if self.level >= 2 and self._sharded_reduction() is not None:
             self.model.reducer.release_buckets()
             for unit in self.units:
                 unit.shard.grad = None
@@ -225,17 +239,23 @@ class Sharded(Strategy):
     gathered for its forward and backward). ``elementwise`` names optimizer classes of your own whose
     update of each element depends on that element alone, which the strategy may then step chunk by
     chunk. ``fusion_threshold_mb`` sizes the units (levels 1-2) and the blocks (level 3);
-    ``gather_on_finish`` (level 3) hands the whole model back when training ends.
+    ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``shared_memory``
+    (levels 1-2): ``"auto"`` keeps the units once per host in shared memory when every worker is on
+    this host and reduces through it; ``False`` gives each worker its copy, kept equal by all-gathers.
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
-                 fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB, gather_on_finish: bool = True):
+                 fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB, gather_on_finish: bool = True,
+                 shared_memory: bool | str = "auto"):
         if level not in LEVELS:
             raise ConfigurationError(f"px.Sharded(level=...) must be one of {list(LEVELS)}, got {level!r}.")
         self.level = level
         self.elementwise = (*ELEMENTWISE, *elementwise)
         self.fusion_threshold_mb = fusion_threshold_mb
         self.gather_on_finish = gather_on_finish
+        if shared_memory not in ("auto", True, False):
+            raise ConfigurationError(f"px.Sharded(shared_memory=...) must be 'auto', True or False, got {shared_memory!r}.")
+        self.shared_memory = shared_memory
         self.gathering: Gathering | None = None
         self.reproducible = False
         self.nonfinite_agreement = "gradient" if level == 1 else "collective"
@@ -283,9 +303,20 @@ class Sharded(Strategy):
             reduced = units[::-1]  # buckets in the order gradients become ready: the last block's first
         else:
             units = reduced = lay_out(optimizer, wrapped.module, self.fusion_threshold_mb)
+        shared = self.level < 3 and self._share_memory() and bool(units)
+        if shared:
+            for unit, view in zip(units, host_memory.shared_copies([u.flat for u in units], 0, "sharded")):
+                unit.adopt(view)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
-        wrapped.rebuild_reducer(reduction=ShardedReduction(reduced, params, scatter=self.level >= 2))
-        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering)
+        scatter = self.level >= 2 and not shared  # within a host, shared memory all-reduces for the same cost
+        wrapped.rebuild_reducer(reduction=ShardedReduction(reduced, params, scatter=scatter))
+        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering, shared)
+
+    def _share_memory(self) -> bool:
+        if self.shared_memory is True and not host_memory.possible():
+            raise ConfigurationError(f"{self.name} with shared_memory=True needs several CPU workers on one host "
+                                     "with px.init(transport='auto' or 'shm'); use shared_memory='auto'.")
+        return host_memory.possible() and self.shared_memory is not False
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Level 3: the model the user passed gets its whole parameters back, the hooks removed

@@ -1,0 +1,42 @@
+"""Tensors that live once per host: views of one shared-memory segment every worker maps.
+
+Strategies that keep parameters in one place for every worker of a host (central storage, the
+sharded strategy's units) move them here: the workers then read the same memory, so a step written
+by one rank is seen by all without sending anything.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from phalanx.comm import collectives, runtime
+
+ALIGNMENT = 64  # bytes: each view starts on a cache line
+
+
+def possible() -> bool:
+    """Whether this job's workers can share host memory: several CPU workers on one host, reducing
+    through shared memory."""
+    return runtime.size() > 1 and runtime.shares_one_host() and runtime.device().type == "cpu"
+
+
+def shared_copies(tensors: Sequence[torch.Tensor], writer: int, tag: str) -> list[torch.Tensor]:
+    """One view per tensor of a segment every worker of this host maps, holding ``writer``'s values.
+
+    Collective: every rank passes tensors of the same shapes and dtypes, in the same order.
+    """
+    offsets, end = [], 0
+    for tensor in tensors:
+        end = -(-end // ALIGNMENT) * ALIGNMENT
+        offsets.append(end)
+        end += tensor.numel() * tensor.element_size()
+    arena = runtime.host_arena(tag, end)
+    views = [arena[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+             for start, t in zip(offsets, tensors)]
+    if runtime.rank() == writer:
+        for view, tensor in zip(views, tensors):
+            view.copy_(tensor.detach())
+    collectives.barrier()
+    return views
