@@ -130,6 +130,20 @@ def check_central_storage() -> dict[str, Any]:
     return fit(model(), strategy=px.CentralStorage())
 
 
+def check_sharded() -> dict[str, Any]:
+    """px.Sharded at each level against unsharded px.fit: accuracy, where the parameters end up, and
+    the largest weight difference (NCCL's reduce-scatter and all-gather with several GPUs)."""
+    reference = model()
+    fit(reference)
+    figures: dict[str, Any] = {}
+    for level in (1, 2, 3):
+        net = model()
+        figures[f"level {level}"] = {**fit(net, strategy=px.Sharded(level=level, fusion_threshold_mb=0.002)),
+                                     "difference": max(float((a - b).abs().max()) for a, b in
+                                                       zip(net.state_dict().values(), reference.state_dict().values()))}
+    return figures
+
+
 def check_parameter_server() -> dict[str, Any]:
     return fit(model(), strategy=px.ParameterServer())
 

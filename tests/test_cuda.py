@@ -39,12 +39,13 @@ def test_the_checks_run_on_the_cpu_too(tmp_path: Path) -> None:
     """The script's own use of the API, in one job without a GPU (the figures are the CPU's; the
     precision check's reference is CUDA's, compiling needs a compiler, parameter servers --servers,
     and the reproducible and central-storage checks are px.fit's options, as the fit check)."""
-    checks = ("fit", "allreduce", "compression", "syncbn", "horovod")  # reproducible, central storage: fit's
+    checks = ("fit", "allreduce", "compression", "syncbn", "horovod", "sharded")  # reproducible, central storage: fit's
     figures = run_check(tmp_path, ",".join(checks), "-n", "1", device="cpu")
     assert figures["allreduce"] == {"is_cuda": False, "value": [1.0] * 4}
     for check in ("fit", "compression", "syncbn"):
         assert figures[check]["device"] == "cpu" and figures[check]["accuracy"] > 0.9, figures
     assert not figures["fit"]["pinned"] and figures["horovod"]["last_loss"] < figures["horovod"]["first_loss"]
+    assert all(level["accuracy"] > 0.9 and level["difference"] < 1e-5 for level in figures["sharded"].values()), figures
     assert not figures["fit"]["kept"] and figures["fit"]["kept_batches_equal"] and figures["fit"]["copied_batches_equal"]
 
 
@@ -90,6 +91,15 @@ def test_every_mode_trains_on_the_gpu(tmp_path: Path, check: str, launch: tuple[
     assert figures["device"] == "cuda:0" and figures["accuracy"] > 0.9, figures
     if check == "compile":
         assert figures["gradient_difference"] < 1e-5, figures
+
+
+@cuda
+def test_every_sharding_level_trains_on_the_gpus_as_unsharded(tmp_path: Path) -> None:
+    """With two GPUs or more, NCCL's reduce-scatter and all-gather carry the shards."""
+    workers = min(gpu_count(), 4)
+    for level, figures in run_check(tmp_path, "sharded", "-n", str(workers)).items():
+        assert figures["device"] == "cuda:0" and figures["parameters_on"] == ["cuda:0"], (level, figures)
+        assert figures["accuracy"] > 0.9 and figures["difference"] < 1e-5, (level, figures)
 
 
 @cuda
