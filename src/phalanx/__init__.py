@@ -45,6 +45,7 @@ _MODULES = {  # public module -> the names it gives px
     "phalanx.strategies.central_storage": ("CentralStorage",),
     "phalanx.strategies.parameter_server": ("ParameterServer",),
     "phalanx.strategies.sharded": ("Sharded",),
+    "phalanx.train.checkpoint": ("checkpoint_weights",),
     "phalanx.train.fit": ("estimated_stepping_batches", "evaluate", "fit", "steps_per_epoch"),
     "phalanx.train.loop": ("Loop",),
     "phalanx.train.lr": ("scale_lr",),

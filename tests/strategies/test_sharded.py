@@ -4,6 +4,7 @@ norm, resumes at another worker count and level, and refuses what it cannot do."
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from phalanx.train import checkpoint_io
 from tests.harness import run_workers
 from tests.train.test_fit import GLOBAL_BATCH, SAMPLES, _dataset
 
@@ -158,8 +160,8 @@ def test_a_hand_written_loop_trains_as_with_data_parallel(level: int) -> None:
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
 
 
-def _resumed(level: int, epochs: int, directory: str) -> dict[str, Any]:
-    return _fit(level, epochs=epochs, checkpoint_dir=directory)
+def _resumed(level: int, epochs: int, directory: str, every: int | None = None) -> dict[str, Any]:
+    return _fit(level, epochs=epochs, checkpoint_dir=directory, checkpoint_every=every)
 
 
 @pytest.mark.parametrize("first, then", [((2, 2), (3, 1)), ((3, 3), (2, 2))])
@@ -172,6 +174,35 @@ def test_a_checkpoint_resumes_at_another_worker_count_and_level(tmp_path: Path, 
         for name, value in straight["weights"].items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
         assert result["history"]["loss"] == pytest.approx(straight["history"]["loss"], rel=1e-5)
+
+
+def test_each_rank_writes_its_own_pieces_which_torch_and_a_plain_model_read(tmp_path: Path) -> None:
+    """Nothing gathered: rank 0's file holds no weights, every rank wrote its pieces (DCP); the
+    newest checkpoint whose pieces are damaged is skipped; an unsharded run, torch's dcp_to_torch_save
+    and px.checkpoint_weights read them whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    trained = run_workers(_resumed, 3, 3, 1, str(tmp_path), 3)[0]  # checkpoints at steps 3 and 5
+    newest = sorted(tmp_path.glob("checkpoint-*.pt"))[-1]
+    pieces = newest.with_suffix(".pieces")
+    assert torch.load(newest, weights_only=True)["model"] is None
+    assert sorted(p.name for p in pieces.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    whole = px.checkpoint_weights(newest)
+    plain = _model()
+    plain.load_state_dict(whole)
+    for name, value in trained["weights"].items():
+        assert torch.equal(plain.state_dict()[name], value), name
+    dcp_to_torch_save(pieces, tmp_path / "torch.pt")
+    assert torch.equal(torch.load(tmp_path / "torch.pt")["model/0.weight"].view(32, 10), trained["weights"]["0.weight"])
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path, damaged, ignore=shutil.ignore_patterns("damaged", "torch.pt"))
+    (damaged / pieces.name / ".metadata").unlink()  # a crash that left the pieces incomplete: the one before is used
+    with pytest.warns(UserWarning, match="missing or incomplete"):
+        assert checkpoint_io.find_latest(damaged)[0].name != newest.name
+    resumed = run_workers(_resumed, 2, 0, EPOCHS, str(tmp_path), timeout=150)[0]  # px.DataParallel goes on
+    straight = run_workers(_fit, 2, 0)[0]
+    for name, value in straight["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-5, atol=1e-6)
 
 
 def _refusal(case: str) -> str:

@@ -351,12 +351,8 @@ class ServerOptimizer(HeldOptimizer):
         return StepPosition(self.client)
 
     def state_dict(self) -> dict[str, Any]:
-        """The user's optimizer's state dict, with the state the servers hold (a round trip to each).
-
-        Every worker calls it when a checkpoint is saved (state dicts are collective, for sharded
-        optimizers); worker 0, which writes it, fetches the servers' state, the others only their
-        hyperparameters."""
-        by_model = self.client.optimizer_state() if runtime.rank() == 0 else {}
+        """The user's optimizer's state dict, with the state the servers hold (a round trip to each)."""
+        by_model = self.client.optimizer_state()
         own = self.optimizer.state_dict()
         own["state"] = {k: by_model[i] for k, i in enumerate(self._model_index) if i in by_model}
         own["phalanx_step"] = self.client.step

@@ -26,11 +26,13 @@ SparseAdam) is refused by name; one of your own that is elementwise is accepted 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from phalanx import tensor_pieces
 from phalanx.comm import collectives, runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
@@ -94,8 +96,8 @@ class ShardedOptimizer(HeldOptimizer):
 
     ``param_groups`` are the user's (schedules set them; they are copied to the stepping optimizer
     at each step); ``state`` holds this rank's chunks only. ``state_dict``/``load_state_dict`` are
-    collective and speak the user's optimizer's format, whole, so a checkpoint resumes at any worker
-    count, sharded or not.
+    collective and speak the user's optimizer's format, whole (a loop of your own may use them);
+    ``px.fit``'s checkpoints write and read each rank's pieces instead (``checkpoint_pieces``).
     """
 
     strategy = "px.Sharded"
@@ -214,6 +216,89 @@ class ShardedOptimizer(HeldOptimizer):
                 else:
                     shard_state[key] = value.clone() if torch.is_tensor(value) else value
             self.stepping.state[unit.shard] = shard_state
+
+
+    # --- checkpoints in pieces: each rank writes and reads its own ------------------------
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The user's optimizer's state dict without any parameter's state (what rank 0's file holds)."""
+        return self.optimizer.state_dict()
+
+    def checkpoint_pieces(self) -> dict[str, Any]:
+        """This rank's pieces of the weights (``model/<name>``) and of the optimizer state
+        (``optim/<name>/<key>``), keyed by parameter name, for :mod:`phalanx.tensor_pieces`."""
+        pieces: dict[str, Any] = {}
+        names = self._names()
+        for unit in self.units:
+            chunks = {"model/{}": unit.shard.detach()}
+            for key, value in self.stepping.state.get(unit.shard, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    chunks[f"optim/{{}}/{key}"] = value
+                else:  # the same on every rank (a step count): written once, whole
+                    pieces.update({f"optim/{names[id(p)]}/{key}": value for p in unit.params})
+            pieces.update(_pieces_of(unit, chunks, names))
+        return pieces
+
+    @torch.no_grad()
+    def load_checkpoint_pieces(self, folder: Path, hyperparameters: dict[str, Any]) -> None:
+        """Fill this rank's chunks of the weights and optimizer state from ``folder``, written at any
+        worker count and level, then share the weights as after a step (collective)."""
+        self.load_state_dict({**hyperparameters, "state": {}})
+        available = tensor_pieces.contents(folder)
+        targets: dict[str, Any] = {}
+        names = self._names()
+        for unit in self.units:
+            first = names[id(unit.params[0])]
+            kinds = {name.split("/", 2)[2] for name in available if name.startswith(f"optim/{first}/")}
+            chunks, state = {"model/{}": unit.shard.detach()}, {}
+            for key in sorted(kinds):
+                size, dtype = available[f"optim/{first}/{key}"]
+                if len(size) == 1 and size[0] == unit.params[0].numel():
+                    state[key] = chunks[f"optim/{{}}/{key}"] = torch.zeros_like(unit.shard.detach(), dtype=dtype)
+                else:
+                    state[key] = targets[f"optim/{first}/{key}"] = torch.empty(size, dtype=dtype)
+            targets.update(_pieces_of(unit, chunks, names))
+            if state:
+                self.stepping.state[unit.shard] = state
+        tensor_pieces.load(targets, folder)
+        self._share_loaded_weights()
+
+    def first_nonfinite(self) -> str | None:
+        """The name of a parameter holding NaN or Inf in any rank's chunk, the same on every rank."""
+        names = self._names()
+        local = next((names[id(p)] for unit in self.units
+                      if not bool(torch.isfinite(unit.shard.detach()).all()) for p in unit.params[:1]), None)
+        found = [name for name in collectives.allgather_object(local, safe=True) if name is not None]
+        return found[0] if found else None
+
+    def _share_loaded_weights(self) -> None:
+        if self.shared:
+            collectives.barrier()
+        elif self.gathering is not None:
+            self.gathering.after_step()
+        else:
+            self._gather()
+
+    def _names(self) -> dict[int, str]:
+        return {id(param): name for name, param in self.model.module.named_parameters()}
+
+
+def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str]) -> dict[str, Any]:
+    """For each of the unit's parameters and each of ``chunks`` (this rank's chunk of the weights or
+    of a state tensor, keyed by a name pattern such as ``optim/{}/exp_avg``), the parameter's piece as
+    :func:`tensor_pieces.piece`, keyed by the pattern filled with the parameter's name."""
+    pieces, offset = {}, 0
+    for param in unit.params:
+        numel = param.numel()
+        # every rank's (start, stop) within this parameter: its chunk's overlap with it
+        bounds = [(min(max(start - offset, 0), numel), min(max(stop - offset, 0), numel)) for start, stop in unit.bounds]
+        start, stop = bounds[runtime.rank()]
+        base = offset - unit.own.start
+        for pattern, chunk in chunks.items():
+            local = chunk[base + start: base + stop] if stop > start else chunk[:0]
+            pieces[pattern.format(names[id(param)])] = tensor_pieces.piece(local, numel, bounds, runtime.rank())
+        offset += numel
+    return pieces
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -7,12 +7,20 @@ leaves a truncated file under a checkpoint's name, and the next save removes the
 such a crash left. Loading skips (with a warning) any newest file that is corrupt, and falls back
 to the one before; pruning counts only the files that load, so the newest readable one is never
 deleted.
+
+A checkpoint of sharded training also has a folder of pieces beside the file
+(``checkpoint-<step>.pieces``, torch.distributed.checkpoint's format), which every rank wrote
+before rank 0 wrote the file that names it: a file whose pieces are missing is damaged, pruning
+and setting aside take the folder with its file, and a save removes the pieces a crash left half
+written.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,28 @@ KIND = "checkpoint-*.pt"
 
 def checkpoint_path(directory: str | os.PathLike, global_step: int) -> Path:
     return Path(directory) / f"checkpoint-{global_step:09d}.pt"
+
+
+def pieces_path(path: Path) -> Path:
+    """The folder of pieces that belongs to the checkpoint file ``path``."""
+    return path.with_suffix(".pieces")
+
+
+def new_pieces_folder(path: Path) -> Path:
+    """A new, empty folder for the pieces of checkpoint ``path``, after removing the half-written ones
+    a crash left (only one save writes into a folder at a time)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob("checkpoint-*.pieces-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{path.stem}.pieces-", dir=path.parent))
+
+
+def put_pieces(folder: Path, path: Path) -> None:
+    """Give the written ``folder`` of pieces the name that checkpoint ``path`` will refer to."""
+    final = pieces_path(path)
+    if final.exists():  # another run's, set aside or pruned already: a leftover
+        shutil.rmtree(final)
+    os.replace(folder, final)
 
 
 def step_of(path: Path) -> int:
@@ -55,6 +85,9 @@ def load(path: str | os.PathLike, weights_only: bool = True, mmap: bool = False)
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error}).") from error
     if not isinstance(payload, dict) or "model" not in payload:
         raise CheckpointError(f"checkpoint {path} is not a phalanx checkpoint (no 'model' entry).")
+    if payload.get("pieces") and not (Path(path).parent / payload["pieces"] / ".metadata").exists():
+        raise CheckpointError(f"checkpoint {path} names its weights' pieces {payload['pieces']}, which are missing or "
+                              "incomplete beside it.")
     return payload
 
 
@@ -86,6 +119,7 @@ def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
     for path in list_checkpoints(directory):
         if kept >= keep:
             path.unlink(missing_ok=True)
+            shutil.rmtree(pieces_path(path), ignore_errors=True)
             deleted.append(path)
         elif _loads(path):
             kept += 1
