@@ -49,3 +49,35 @@ def test_the_trusted_way_carries_any_picklable_object_and_names_what_it_cannot()
     assert data.numel() == 0 and "lambda" in problem
     with pytest.raises(ConfigurationError, match="by pickle"):
         codec.encode(lambda: 0, safe=False)
+
+
+def test_plain_data_travels_as_json_and_comes_back_equal_and_of_the_same_types() -> None:
+    plain = {"ops": [[0, "allreduce.noname.3", {"kind": "allreduce", "ranks": [0, 1], "dtypes": ["torch.float32"],
+                                               "shapes": [[2, 3]], "prescale": 1.0, "ragged": True, "root": None}]],
+             "texts": ["", "é", "\ud800", "\x00"], "numbers": [0, -1, 2 ** 80, 1.0, -0.0, 1e-310, float("inf")],
+             "flags": [True, False, 1, 0]}
+    data = codec.encode(plain, safe=True)
+    assert bytes(data[:1].numpy()) == codec.PLAIN and data.numel() < 500
+    back = codec.decode(data, safe=True)
+    assert back == plain and repr(back) == repr(plain)  # repr: bools stay bools, floats floats
+    assert [type(x) for x in back["flags"]] == [bool, bool, int, int]
+
+
+def test_what_json_would_change_takes_the_archive_and_keeps_its_types() -> None:
+    import collections
+
+    for value in ((1, [2]), {1: "a"}, [{"k": (None,)}], collections.OrderedDict(a=1), {"t": torch.ones(2)}):
+        data = codec.encode(value, safe=True)
+        assert bytes(data[:2].numpy()) == b"PK", value  # a torch.save archive
+        back = codec.decode(data, safe=True)
+        assert type(back) is type(value) and repr(back) == repr(value), value
+
+
+def test_a_forged_plain_message_never_runs_code(capsys: pytest.CaptureFixture[str]) -> None:
+    forged = [codec.PLAIN + pickle.dumps(RunsCodeWhenLoaded()),
+              codec.PLAIN + b'{"__reduce__": ["print", ["this ran"]], "__class__": "os.system"}']
+    with pytest.raises(ValueError):  # not JSON: refused, not unpickled
+        codec.decode(torch.frombuffer(bytearray(forged[0]), dtype=torch.uint8), safe=True)
+    assert codec.decode(torch.frombuffer(bytearray(forged[1]), dtype=torch.uint8), safe=True) == {
+        "__reduce__": ["print", ["this ran"]], "__class__": "os.system"}  # only data
+    assert "this ran" not in capsys.readouterr().out
