@@ -113,6 +113,47 @@ def test_a_disagreement_raises_on_every_rank_and_all_stay_in_step() -> None:
     assert "root_rank=0" in first["root"] and "kind=allgather" in first["kind"]
 
 
+class _NoPickle:
+    """Stands in for pickle in the codec: the negotiation must neither pickle nor unpickle a record."""
+
+    @staticmethod
+    def loads(*_: object) -> None:
+        raise AssertionError("the negotiation used pickle")
+
+    dumps = loads
+
+
+def _negotiated_without_pickle() -> dict:
+    """Records go through the codec's safe way (JSON for plain data): with pickle gone, every kind of
+    operation, a large cycle (past the 1 KiB slot) and a disagreement still work."""
+    import phalanx.horovod.torch as hvd
+    from phalanx.comm import codec
+
+    hvd.init()
+    r = hvd.rank()
+    real, codec.pickle = codec.pickle, _NoPickle
+    try:
+        out = {"sum": hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item(),
+               "gathered": hvd.allgather(torch.full((r + 1,), r)).tolist(),
+               "root": hvd.broadcast(torch.tensor([r]), root_rank=1).item(),
+               "grouped": [t.item() for t in hvd.grouped_allreduce([torch.ones(1), torch.ones(1)], op=hvd.Sum)],
+               "shape": _raised(lambda: hvd.allreduce(torch.ones(2 + r), name="shape"))}
+        handles = [hvd.allreduce_async(torch.ones(1), name=f"a long name to fill the slot {k}", op=hvd.Sum)
+                   for k in range(40)]
+        out["many"] = sum(hvd.synchronize(handle).item() for handle in handles)
+        hvd.barrier()
+    finally:
+        codec.pickle = real
+    hvd.shutdown()
+    return out
+
+
+def test_the_negotiation_never_pickles() -> None:
+    for rank, out in enumerate(run_workers(_negotiated_without_pickle, 2)):
+        assert (out["sum"], out["gathered"], out["root"], out["grouped"], out["many"]) == (2.0, [0, 1, 1], 1, [2.0, 2.0], 80.0)
+        assert out["shape"].startswith(f"HorovodMismatchError: allreduce 'shape' on rank {rank}: Mismatched shape:"), out
+
+
 def _sets_and_leaving() -> dict:
     """Ranks outside a set shut down early; the set's members go on; a shutdown and init give
     everyone a fresh, working negotiation."""

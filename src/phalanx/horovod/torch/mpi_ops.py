@@ -15,6 +15,7 @@ once, on this rank only.
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -99,8 +100,9 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
         label = f"{kind}.noname.{count}"
     else:
         label = name
-    record = {"kind": kind, "ranks": members(process_set), "dtypes": [str(t.dtype) for t in tensors],
-              "shapes": [list(t.shape) for t in tensors], "devices": [t.device.type for t in tensors], **agreed}
+    record = {"kind": kind, "ranks": [int(r) for r in members(process_set)], "dtypes": [str(t.dtype) for t in tensors],
+              "shapes": [list(t.shape) for t in tensors], "devices": [t.device.type for t in tensors],
+              **{what: _plain(value) for what, value in agreed.items()}}
     details = {"shapes": record["shapes"], "dtype": record["dtypes"][0]} if timeline.active() and tensors else {}
     submission = negotiation.Submission((set_id, label), record, launch)
     handle = next(_handles)
@@ -109,6 +111,18 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
     if name is not None:
         operations.in_flight[name] = handle
     return handle
+
+
+def _plain(value: Any) -> Any:
+    """An agreed value as plain data, which the negotiation sends as JSON: a numpy or torch number as
+    Python's (a record of anything else would go as a torch.save archive, which refuses numpy's)."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def poll(handle: int) -> bool:

@@ -3,8 +3,8 @@
 A background thread on every rank meets the others' once per cycle, over a Gloo group of its own,
 and hands over what its process submitted since the last cycle: one record per operation (its
 kind, process set, dtypes, shapes, reduction, root: plain data, never code), encoded by
-:mod:`phalanx.comm.codec`. Every rank then holds the same table and reaches the same decisions in
-the same order:
+:mod:`phalanx.comm.codec`'s safe way (JSON for such plain data: nothing received is unpickled).
+Every rank then holds the same table and reaches the same decisions in the same order:
 
 - an operation is *ready* when every member of its process set has submitted it; a rank inside
   ``hvd.join()`` counts as having submitted every allreduce, and reduces zeros;
@@ -287,12 +287,11 @@ class Negotiator:
             message["join"] = 1
         if leaving:
             message["leave"] = 1
-        # The trusted codec (pickle): what travels is dicts, lists, strings and numbers that phalanx
-        # builds itself, between the members of the group (trusted as px.allgather_object's peers are).
-        # The safe one (torch.save) would make every cycle's message a zip archive over the slot, with
-        # a second allgather and a check load each time, on the path every operation waits on.
-        received = [codec.decode(raw, safe=False) if len(raw) else {} for raw in
-                    self._exchange(codec.encode(message, safe=False) if message else NOTHING)]
+        # The safe codec: a message is plain data (dicts, lists, strings, numbers), which it sends as
+        # JSON: a peer's bytes never run code here, for tens of microseconds a cycle more than pickle
+        # (below a cycle's noise: benchmarks/RESULTS.md).
+        received = [codec.decode(raw, safe=True) if len(raw) else {} for raw in
+                    self._exchange(codec.encode(message, safe=True) if message else NOTHING)]
         for rank, news in enumerate(received):
             self._take(rank, news)
         if len(self._left) == self.size:
