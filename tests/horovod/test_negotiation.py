@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import agreement
+from phalanx.errors import CollectiveMismatchError
 from tests.harness import run_workers
 
 
@@ -108,9 +110,20 @@ def test_a_disagreement_raises_on_every_rank_and_all_stay_in_step() -> None:
             assert out[f"{case}_then"] == 2.0
         # the same explanation everywhere, only the raising rank differs
         assert first[case].split(":", 2)[2] == second[case].split(":", 2)[2], case
-    assert "dtype=torch.int32" in first["dtype"] and "dtype=torch.float32" in first["dtype"]
-    assert "shape=[2, 3]" in first["shape"] and "shape=[2, 4]" in first["shape"]  # rows may differ, not columns
-    assert "root_rank=0" in first["root"] and "kind=allgather" in first["kind"]
+    # The collectives' check and words (comm/agreement.py): what differs, then every rank's call.
+    assert "Mismatched dtype: rank 0: allreduce(torch.int32, shape=[2]); rank 1: allreduce(torch.float32, shape=[2])" \
+        in first["dtype"]
+    assert "rank 1: broadcast(torch.float32, shape=[2], root_rank=1)" in first["root"]
+    assert "Mismatched op: rank 0: allreduce(torch.float32, shape=[2], op=max)" in first["op"]
+    assert "Mismatched operation: rank 0: allgather(torch.float32, shape=[2]); rank 1: allreduce(" in first["kind"]
+    # Rows may differ, not columns; the same words as phalanx's own allgather, on every rank.
+    rows = {rank: agreement.record("allgather", torch.float32, [2, 3 + rank]) for rank in (0, 1)}
+    with pytest.raises(CollectiveMismatchError) as collective:
+        agreement.compare(rows, "allgather", 0, 2, ignore_first_dim=True)
+    words = str(collective.value).split(": ", 1)[1].split(" Every rank")[0]
+    assert words.startswith("Mismatched shape beyond dim 0: rank 0: allgather(torch.float32, shape=[2, 3])"), words
+    for out in (first, second):
+        assert words in out["shape"], (words, out["shape"])
 
 
 class _NoPickle:

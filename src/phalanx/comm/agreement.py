@@ -15,10 +15,15 @@ every rank's record of a call can use them and raise with the same words:
   own arguments into its ``problem``; :func:`reduction_detail` encodes an op with a root or an
   algorithm into its ``detail``.
 - :func:`compare` judges the records of every rank, keyed by rank (so a subgroup's ranks keep their
-  names): it raises, or returns when the call can go ahead. Horovod's negotiation, which today
-  compares its JSON records in its own ``_disagreement``, could make a :func:`record` of each rank's
-  submission (its kind named as one of :data:`OPERATIONS`, its op and root as the detail) and take
-  the message of the error :func:`compare` raises as its verdict.
+  names): it raises, or returns when the call can go ahead. It is :func:`verdict` on the records
+  read as calls, after a fast path for the usual case (every record alike, no problem, no join).
+- :func:`verdict` is the check itself, on every rank's call as named fields ("operation", the
+  tensors' "dtypes" and "shapes", a "problem" code, and anything else that must agree: op, root,
+  algorithm...): the error every rank raises, or ``None``. Horovod's negotiation, which holds every
+  rank's record of an operation as such fields, judges them with it: its kinds as the operation,
+  the kinds a joined rank takes part in as ``joinable``, allgather's and alltoall's rows that may
+  differ as ``ignore_first_dim``, its name in the ``label`` and the name matching in ``matched``;
+  so both say what differs in the same words.
 - :func:`read` turns a record back into its fields.
 
 :class:`Agreeing` is how a generation's collectives run the check: gathering the records (through
@@ -28,7 +33,7 @@ folding the check into shared memory's first exchange of an allreduce.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,36 +122,128 @@ def reduction_of(detail: int) -> tuple[str, int]:
 def compare(records: Mapping[int, Sequence[int]], operation: str, rank: int, size: int, *,
             ignore_first_dim: bool = False, problems_only: bool = False) -> None:
     """Judge every rank's :func:`record` of a call of ``operation`` (``records``: by rank, in rank order,
-    of a group of ``size``) as every rank that holds them does, raising as ``rank``.
+    of a group of ``size``) as every rank that holds them does, raising :func:`verdict`'s error as ``rank``."""
+    rows = list(records.values())
+    alike = {_comparable(row, ignore_first_dim) for row in rows} if not problems_only else set()
+    if len(alike) <= 1 and all(row[_OP] != _JOIN and not row[_PROBLEM] for row in rows):
+        return  # the usual case, without reading the records
+    error = verdict({r: fields(row) for r, row in records.items()}, operation, rank, size,
+                    ignore_first_dim=ignore_first_dim, problems_only=problems_only)
+    if error is not None:
+        raise error
 
-    A rank that has joined (a "join" record) takes part only in allreduces: any other operation raises
+
+def fields(row: Sequence[int]) -> dict[str, Any]:
+    """A :func:`record` as the named fields :func:`verdict` judges (its detail read as op, root or algorithm)."""
+    call = read(row)
+    if call.operation == "join":
+        return {"operation": "join"}
+    named: dict[str, Any] = {"operation": call.operation, "dtypes": [call.dtype], "shapes": [call.shape],
+                             "problem": call.problem}
+    if call.operation in ("allreduce", "reduce", "reduce_scatter"):
+        named["op"], beside = reduction_of(call.detail)
+        if call.operation == "allreduce":
+            named["algorithm"] = ALLREDUCE_ALGORITHMS[beside] if beside < len(ALLREDUCE_ALGORITHMS) else beside
+        elif call.operation == "reduce":
+            named["root"] = beside
+    elif call.operation == "broadcast":
+        named["root"] = call.detail
+    elif call.detail:
+        named["detail"] = call.detail
+    return named
+
+
+#: How collectives are matched across ranks, as :func:`verdict`'s advice says it.
+BY_ORDER = "collectives are matched by the order of the calls"
+
+
+def verdict(calls: Mapping[int, Mapping[str, Any]], operation: str, rank: int, size: int, *,
+            label: str | None = None, joinable: Sequence[str] = ("allreduce",), ignore_first_dim: bool = False,
+            problems_only: bool = False, matched: str = BY_ORDER) -> PhalanxError | None:
+    """The error every rank raises for the ``calls`` of every rank of a group of ``size`` (by rank, in
+    rank order) to ``operation``, worded for ``rank``; ``None`` where the call can go ahead.
+
+    A call is named fields: its "operation" ("join" for a rank that has joined), its tensors' "dtypes"
+    and "shapes" (lists, one entry per tensor), a "problem" code (0 or absent: none) and anything
+    else that every rank must pass alike, by name (op, root, algorithm, scale factors...).
+
+    A joined rank takes part only in the ``joinable`` operations: any other raises
     :class:`CollectiveMismatchError`. Otherwise the first invalid arguments raise
     :class:`ConfigurationError`, naming every rank that made them; then (unless ``problems_only``)
-    records that differ (beyond dim 0 with ``ignore_first_dim``) raise :class:`CollectiveMismatchError`.
+    calls that differ (shapes beyond dim 0 with ``ignore_first_dim``) raise
+    :class:`CollectiveMismatchError` naming what differs and listing every rank's call. ``label`` names
+    the call in the message (default: ``operation``); ``matched`` says how calls are matched.
     """
-    joined = [r for r, row in records.items() if row[_OP] == _JOIN]
-    if joined and operation != "allreduce":  # ranks in join() add zeros to allreduces, and nothing else
-        raise CollectiveMismatchError(
-            f"{operation} on rank {rank}: rank(s) {joined} have joined (run out of data) and take part only "
-            f"in allreduce until every rank has joined. Call {operation} after join() has returned on every rank."
-        )
-    ranked = [(r, row) for r, row in records.items() if row[_OP] != _JOIN]
-    problems = [(row[_PROBLEM], r) for r, row in ranked if row[_PROBLEM]]
+    label = label or operation
+    joined = [r for r, call in calls.items() if call["operation"] == "join"]
+    if joined and operation not in joinable:  # joined ranks add zeros to these, and take part in nothing else
+        return CollectiveMismatchError(
+            f"{label} on rank {rank}: rank(s) {joined} have joined (run out of data) and take part only in "
+            f"{' and '.join(joinable)} until every rank has joined. Call {operation} before join(), or after it "
+            "has returned on every rank.")
+    active = {r: call for r, call in calls.items() if call["operation"] != "join"}
+    problems = [(call.get("problem", 0), r) for r, call in active.items() if call.get("problem", 0)]
     if problems:
         code = problems[0][0]
         rule = _PROBLEMS[code].format(ops=sorted(REDUCE_OPS), algorithms=list(ALLREDUCE_ALGORITHMS), size=size,
                                       dims=_MAX_DIMS)
         ranks = [r for problem, r in problems if problem == code]
-        raise ConfigurationError(f"{operation} on rank(s) {ranks} of {size}: {rule}.")
-    keys = [_comparable(row, ignore_first_dim) for _, row in ranked]
-    if problems_only or all(key == keys[0] for key in keys):
-        return
-    described = "; ".join(f"rank {r}: {_described(row)}" for r, row in ranked)
-    what = "shapes (beyond dim 0), dtypes or operations" if ignore_first_dim else "operations, shapes or dtypes"
-    raise CollectiveMismatchError(
-        f"{operation} on rank {rank}: ranks called it with different {what}: {described}. "
-        "Every rank must call the same collectives in the same order with matching tensors."
-    )
+        return ConfigurationError(f"{label} on rank(s) {ranks} of {size}: {rule}.")
+    return None if problems_only else _mismatch(active, label, rank, ignore_first_dim, matched)
+
+
+_PER_TENSOR = ("dtypes", "shapes", "devices")  # a call's fields that hold one entry per tensor
+
+
+def _mismatch(calls: Mapping[int, Mapping[str, Any]], label: str, rank: int, ignore_first_dim: bool,
+              matched: str) -> CollectiveMismatchError | None:
+    """Where the ``calls`` differ: what, and every rank's call."""
+    if all(call == next(iter(calls.values())) for call in calls.values()):
+        return None
+    compared = {r: _agreed(call, ignore_first_dim) for r, call in calls.items()}
+    first = next(iter(compared.values()), {})
+    if all(call == first for call in compared.values()):
+        return None
+    keys = list(dict.fromkeys(key for call in compared.values() for key in call))
+    differing = [key for key in keys if any(call.get(key) != first.get(key) for call in compared.values())]
+    counts = {len(call.get("dtypes", ())) for call in calls.values()}
+    if "operation" in differing or len(counts) > 1:
+        differing = ["operation" if "operation" in differing else "number of tensors"]  # the rest follows from it
+    names = [_label(key, counts == {1}, ignore_first_dim) for key in differing]
+    shown = [key for key in differing if key not in ("operation", "number of tensors", "dtypes", "shapes")]
+    described = "; ".join(f"rank {r}: {_described(call, shown)}" for r, call in calls.items())
+    what = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    return CollectiveMismatchError(f"{label} on rank {rank}: Mismatched {what}: {described}. Every rank must call it "
+                                   f"with the same {what} ({matched}).")
+
+
+def _agreed(call: Mapping[str, Any], ignore_first_dim: bool) -> dict[str, Any]:
+    """What of ``call`` must agree across ranks: all but its problem code, shapes beyond dim 0 where rows may differ."""
+    agreed = {key: value for key, value in call.items() if key != "problem"}
+    if ignore_first_dim:
+        agreed["shapes"] = [[len(shape), *shape[1:]] for shape in call.get("shapes", ())]
+    return agreed
+
+
+def _label(key: str, single: bool, ignore_first_dim: bool) -> str:
+    """A field's name as an error says it: a single tensor's dtype or shape rather than a list of one."""
+    name = key[:-1] if single and key in _PER_TENSOR else key
+    return f"{name} beyond dim 0" if ignore_first_dim and key == "shapes" else name
+
+
+def _described(call: Mapping[str, Any], shown: Sequence[str]) -> str:
+    """A call as the user wrote it: ``allreduce(torch.float32, shape=[2, 3])``, with the ``shown`` fields."""
+    dtypes, shapes = call.get("dtypes", []), call.get("shapes", [])
+    if len(dtypes) == 1:
+        tensors = [f"{dtypes[0]}, shape={list(shapes[0])}"]
+    elif dtypes:
+        tensors = [f"dtypes=[{', '.join(map(str, dtypes))}], shapes={[list(shape) for shape in shapes]}"]
+    else:
+        tensors = []
+    single = len(dtypes) == 1
+    extras = [f"{_label(key, single, False)}={call[key][0] if single and key in _PER_TENSOR else call.get(key)}"
+              for key in shown]
+    return f"{call['operation']}({', '.join(tensors + extras)})"
 
 
 def refuse_scalar(tensor: torch.Tensor, operation: str, what: str) -> None:
@@ -158,11 +255,6 @@ def refuse_scalar(tensor: torch.Tensor, operation: str, what: str) -> None:
 
 def _comparable(row: Sequence[int], ignore_first_dim: bool) -> tuple[int, ...]:
     return tuple(row[:_SHAPE]) + tuple(row[_SHAPE + 1:]) if ignore_first_dim else tuple(row)
-
-
-def _described(row: Sequence[int]) -> str:
-    call = read(row)
-    return f"{call.operation}({call.dtype}, shape={call.shape})"
 
 
 class Agreeing(Routing):

@@ -9,7 +9,8 @@ Every rank then holds the same table and reaches the same decisions in the same 
 - an operation is *ready* when every member of its process set has submitted it; a rank inside
   ``hvd.join()`` counts as having submitted every allreduce, and reduces zeros;
 - a ready operation whose records disagree (dtype, shape, op, root, kind), or that a joined rank
-  cannot take part in, fails on every rank that submitted it with the same message; nothing is sent;
+  cannot take part in, fails on every rank that submitted it with the same message; nothing is sent.
+  The check is the collectives' own (:func:`phalanx.comm.agreement.verdict`), in the same words;
 - the others are launched in the table's order on groups of their own (one pair per process set),
   so they never interleave with the collectives the rest of phalanx runs from the user's thread;
 - an operation that a rank waited for longer than the job's timeout is *overdue*: that rank says so
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import codec, collectives, runtime
+from phalanx.comm import agreement, codec, collectives, runtime
 from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.errors import PhalanxError
 from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismatchError, HorovodTimeoutError
@@ -342,8 +343,7 @@ class Negotiator:
             if any(r not in self._joined and r not in self._left for r in missing):
                 continue  # a rank that is still running has not submitted it yet
             del self._table[key]
-            gone = [r for r in missing if r in self._left]
-            self._settle(key, records, missing, _disagreement(records, missing, gone))
+            self._settle(key, records, missing, [r for r in missing if r in self._left])
             settled = True
         return settled
 
@@ -369,12 +369,15 @@ class Negotiator:
                     "last barrier, join or init)."))
         return True
 
-    def _settle(self, key: Key, records: dict[int, Record], joined: list[int], error: str | None) -> None:
+    def _settle(self, key: Key, records: dict[int, Record], joined: list[int], gone: list[int]) -> None:
+        """Launch an operation every rank of its set has submitted (or take part with zeros, joined),
+        or fail it where the records disagree; ``joined``: the ranks that did not submit it, ``gone``
+        those of them that have left."""
         mine = self._mine.pop(key, None)
+        error = _disagreement(key, records, joined, gone, self.rank, mine.record["kind"] if mine else None)
         if mine is not None:
             if error is not None:
-                kind = mine.record["kind"]
-                mine.future.set_exception(HorovodMismatchError(f"{kind} '{key[1]}' on rank {self.rank}: {error}"))
+                mine.future.set_exception(error)
                 return
             try:
                 with collectives.within(self.scope(key[0])):
@@ -437,39 +440,30 @@ def _described(key: Key, records: dict[int, Record]) -> str:
             f"rank(s) {missing} did not submit it)")
 
 
-def _disagreement(records: dict[int, Record], joined: list[int], gone: list[int]) -> str | None:
-    """Why the ranks' records of an operation cannot run together (the same text on every rank), or None."""
-    ranks = sorted(records)
-    first = records[ranks[0]]
-    kind = first["kind"]
+def _disagreement(key: Key, records: dict[int, Record], joined: list[int], gone: list[int], rank: int,
+                  kind: str | None) -> HorovodMismatchError | None:
+    """Why the ranks' records of an operation cannot run together (the same explanation on every rank,
+    worded for ``rank``, whose own record is of ``kind``), or None: :func:`agreement.verdict` on the
+    records as calls, the ranks in ``joined`` as joined ones."""
+    first = records[min(records)]
+    if not joined and all(record == first for record in records.values()):
+        return None  # the verdict on alike records, without reading them as calls (the usual case)
+    label = f"{kind or first['kind']} '{key[1]}'"
     if gone:
-        return f"rank(s) {gone} have shut down Horovod (hvd.shutdown()) before submitting it."
-    if joined and kind not in JOINABLE:
-        return (f"rank(s) {joined} have joined (hvd.join()) and take part only in allreduces until every rank "
-                f"has joined. Call {kind} before join(), or after it has returned on every rank.")
-    for rank in ranks[1:]:
-        other = records[rank]
-        for what in ["kind", *sorted(set(first) | set(other) - {"kind"})]:
-            if _comparable(first, what) != _comparable(other, what):
-                label, mine, theirs = _shown(what, first.get(what), other.get(what))
-                return (f"Mismatched {label}: rank {ranks[0]} has {label}={mine}, rank {rank} has {label}={theirs}. "
-                        f"Every rank must call it with the same {label} (names are matched across ranks).")
-    return None
+        return HorovodMismatchError(f"{label} on rank {rank}: rank(s) {gone} have shut down Horovod (hvd.shutdown()) "
+                                    "before submitting it.")
+    calls = {r: _call(records[r]) if r in records else {"operation": "join"} for r in sorted([*records, *joined])}
+    error = agreement.verdict(calls, first["kind"], rank, len(first["ranks"]), label=label, joinable=JOINABLE,
+                              ignore_first_dim=bool(first.get("ragged")), matched="names are matched across ranks")
+    return None if error is None else HorovodMismatchError(str(error))
 
 
-def _shown(what: str, mine: Any, theirs: Any) -> tuple[str, Any, Any]:
-    """A field as the user wrote it: a single tensor's shape, dtype or device rather than a list of one."""
-    if what in ("shapes", "dtypes", "devices") and len(mine or ()) == len(theirs or ()) == 1:
-        return what[:-1], mine[0], theirs[0]
-    return what, mine, theirs
-
-
-def _comparable(record: Record, what: str) -> Any:
-    """A record's field as it must agree: shapes without their first dimension where rows may differ."""
-    value = record.get(what)
-    if what == "shapes" and record.get("ragged"):
-        return [[len(shape), *shape[1:]] for shape in value]
-    return value
+def _call(record: Record) -> dict[str, Any]:
+    """A record as the fields :func:`agreement.verdict` judges: its kind as the operation, the members of
+    its process set; "ragged" is the verdict's ``ignore_first_dim``."""
+    call = {"operation": record["kind"], "process_set": record["ranks"]}
+    call.update((what, value) for what, value in record.items() if what not in ("kind", "ranks", "ragged"))
+    return call
 
 
 NEGOTIATOR: Attachment[Negotiator] = Attachment("horovod negotiation")
