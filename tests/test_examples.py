@@ -96,3 +96,20 @@ def test_make_demo_checkpoints_and_a_second_run_resumes(tmp_path: Path) -> None:
     assert f"resumed from {folder}/checkpoint-000000069.pt (global step 69, epoch 2 done)" in second.stdout
     assert "training was already complete (all 3 epochs, 0-2)" in second.stdout, second.stdout
     assert accuracy(second.stdout) == accuracy(first.stdout)
+
+
+def test_the_sharded_example_trains_at_level_3_and_is_refused_unsharded(tmp_path: Path) -> None:
+    """Four workers under the example's memory limit: unsharded Adam is refused naming the level that
+    fits; level 3 trains (a quick look: 256 samples, four steps, the loss falls)."""
+    script = str(EXAMPLES / "sharded_transformer.py")
+    command = [sys.executable, "-m", "phalanx", "run", "-n", "4", "--no-prefix", script]
+    refused = warm.run([*command, "--level", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert refused.returncode != 0
+    needed = re.search(r"px.DataParallel needs about ([\d.]+) GiB per worker .* max_memory_gb=0.02 .*: "
+                       r"strategy=px.Sharded\(level=3\) holds ([\d.]+) GiB per worker at 4 workers", refused.stderr)
+    assert needed and float(needed[1]) > 0.04 and float(needed[2]) < 0.02, refused.stderr
+    done = warm.run([*command, "--samples", "256", "--epochs", "2"], capture_output=True, text=True, timeout=240,
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, last = map(float, re.search(r"loss ([\d.]+) in epoch 0 -> ([\d.]+) in epoch 1", done.stdout).groups())
+    assert last < first, done.stdout

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from phalanx.strategies.base import held_bytes
 from phalanx.train import checkpoint_io
 from tests.harness import run_workers
 from tests.train.test_fit import GLOBAL_BATCH, SAMPLES, _dataset
@@ -292,3 +293,37 @@ def test_torch_compile_trains_at_level_2_and_is_refused_at_level_3() -> None:
         for name, value in reference.items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
     assert "level 3 frees and gathers" in run_workers(_compiled, 1, 3)[0]["refused"]
+
+
+def _within_memory(level: int) -> dict[str, Any]:
+    """px.fit with a per-worker limit just above what level 3 holds at this worker count."""
+    model = _model()
+    limit = held_bytes(model, _adam(model), level=3, workers=px.size()) * 1.01 / 2**30
+    try:
+        result = _fit(level, max_memory_gb=limit)
+    except px.ConfigurationError as refused:
+        return {"refused": str(refused)}
+    return {"trained": result["history"]["loss"][-1]}
+
+
+def test_a_run_over_its_memory_limit_is_refused_naming_the_need_and_the_level_that_fits() -> None:
+    """Unsharded Adam (16 B a parameter) and level 2 are over the limit; level 3 trains under it."""
+    unsharded, level_2 = run_workers(_within_memory, 2, 0)[0], run_workers(_within_memory, 2, 2)[0]
+    assert "px.DataParallel needs about" in unsharded["refused"]
+    assert "strategy=px.Sharded(level=3) holds" in unsharded["refused"]
+    assert "Adam's state of 931 parameters" in unsharded["refused"]
+    assert "px.Sharded(level=2) needs about" in level_2["refused"]
+    assert all("trained" in worker for worker in run_workers(_within_memory, 2, 3))
+
+
+def test_the_memory_each_level_holds_is_the_parameters_gradients_and_state_it_keeps() -> None:
+    """Adam in float32: 16 bytes a parameter unsharded; at 4 workers 2*4 + 8/4 at level 1,
+    4 + 12/4 at level 2, 16/4 at level 3; SGD without momentum keeps no state."""
+    model = _model()
+    parameters = sum(p.numel() for p in model.parameters())
+    adam = torch.optim.Adam(model.parameters())
+    expected = {0: 16, 1: 10, 2: 7, 3: 4}
+    for level, per_parameter in expected.items():
+        assert held_bytes(model, adam, level, workers=4) == per_parameter * parameters
+    assert held_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, workers=1) == 8 * parameters
+    assert held_bytes(model, torch.optim.Adam(model.parameters(), amsgrad=True), 0, workers=1) == 20 * parameters

@@ -97,6 +97,11 @@ class Strategy(Protocol):
     asynchronous: bool = False
     nonfinite_agreement: str = "gradient"
 
+    @property
+    def name(self) -> str:
+        """How messages name the strategy."""
+        return type(self).__name__
+
     def check(self, options: FitOptions) -> None:
         """Refuse, naming the pair, what this strategy cannot honour (before anything trains)."""
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
@@ -123,6 +128,11 @@ class Strategy(Protocol):
         holds them; the loop adds its position, the data and the schedules)."""
         return {"model": model, "optimizer": optimizer}
 
+    def memory_needed(self, model: nn.Module, optimizer: OptimizerLike) -> int:
+        """Bytes a worker holds for parameters, gradients and optimizer state under this strategy
+        (activations not counted): ``px.fit(max_memory_gb=...)`` refuses a run above its limit."""
+        return held_bytes(model, optimizer, level=0, workers=runtime.size())
+
     def worker_clipping(self, clipping: Clipping | None) -> Clipping | None:
         """The clipping workers apply before their optimizer step (``None`` where another place clips)."""
         return clipping
@@ -138,6 +148,7 @@ class Replicated(Strategy):
     """Every worker holds the parameters and the optimizer state; gradients are averaged by
     ``px.DataParallel`` during backward. The default strategy."""
 
+    name = "px.DataParallel"
     asynchronous = False
     nonfinite_agreement = "gradient"  # every rank holds the same averaged gradient
 
@@ -146,6 +157,31 @@ class Replicated(Strategy):
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
         return wrap(model), optimizer
+
+
+#: Optimizer state per parameter, in parameters' worth, of torch's optimizers (with their defaults).
+STATE_PER_PARAMETER = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "RMSprop": 1,
+                       "Adagrad": 1, "Adadelta": 2, "ASGD": 1, "Rprop": 2, "SparseAdam": 2, "LBFGS": 2}
+
+
+def state_per_parameter(optimizer: OptimizerLike) -> int:
+    """How many parameters' worth of state the optimizer keeps (an optimizer not listed: 2, as Adam)."""
+    groups = optimizer.param_groups
+    if type(optimizer).__name__ == "SGD" and not any(group.get("momentum") for group in groups):
+        return 0
+    extra = 1 if any(group.get("amsgrad") or group.get("centered") for group in groups) else 0
+    return STATE_PER_PARAMETER.get(type(optimizer).__name__, 2) + extra
+
+
+def held_bytes(model: nn.Module, optimizer: OptimizerLike, level: int, workers: int) -> int:
+    """Bytes one of ``workers`` holds for parameters, gradients and optimizer state when the model
+    state is sharded to ``level`` (0: replicated; 1: optimizer state; 2: also gradients; 3: also
+    parameters, not counting the blocks gathered at a given moment)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = state_per_parameter(optimizer) * weights
+    held = {0: 2 * weights + state, 1: 2 * weights + state / workers,
+            2: weights + (weights + state) / workers, 3: (2 * weights + state) / workers}
+    return int(held[level])
 
 
 def resolve(strategy: Strategy | None) -> Strategy:

@@ -96,6 +96,7 @@ class CentralStorage(Strategy):
     on this host and the transport uses shared memory; ``False`` gives each worker its copy.
     """
 
+    name = "px.CentralStorage"
     asynchronous = False
     nonfinite_agreement = "collective"  # each rank holds its own part of the gradient
 

@@ -53,6 +53,10 @@ class ParameterServer(Strategy):
         self.nonfinite_agreement = "local"
 
     @property
+    def name(self) -> str:
+        return f"px.ParameterServer(mode={self.mode!r})"
+
+    @property
     def asynchronous(self) -> bool:
         return self.mode == "async"
 
@@ -104,6 +108,10 @@ class ParameterServer(Strategy):
     def committed(self, model: DataParallel, optimizer: ServerOptimizer) -> dict[str, Stateful]:
         """The step count of the optimizer: the servers hold its state and the parameters as of that step."""
         return {"model": model, "optimizer": optimizer.position}
+
+    def memory_needed(self, model: nn.Module, optimizer: Any) -> int:
+        """A worker holds the parameters and their gradients; the servers hold the optimizer state."""
+        return 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def worker_clipping(self, clipping: Clipping | None) -> Clipping | None:
         """None: the servers clip the gradient they apply (the workers' own was pushed during backward)."""

@@ -26,6 +26,7 @@ SparseAdam) is refused by name; one of your own that is elementwise is accepted 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,7 +40,8 @@ from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
-from phalanx.strategies.base import (FitOptions, Strategy, refuse, refuse_parameter_servers_launched, wrap)
+from phalanx.strategies.base import (FitOptions, Strategy, held_bytes, refuse, refuse_parameter_servers_launched,
+                                     wrap)
 from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies import host_memory
 from phalanx.strategies.gathering import Gathering, cut
@@ -109,7 +111,7 @@ class ShardedOptimizer(HeldOptimizer):
         self.shared = shared  # the units live once per host, in shared memory
         groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
                   for index, group in enumerate(optimizer.param_groups)]
-        self.stepping = type(optimizer)(groups, **optimizer.defaults)
+        self.stepping = _same_kind(optimizer, groups)
 
     @property
     def state(self) -> Any:
@@ -301,6 +303,13 @@ def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str
     return pieces
 
 
+def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class over ``groups`` (each with every hyperparameter), built
+    with those of its defaults its constructor takes (AdamW's defaults name a setting it fixes itself)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
 
@@ -402,6 +411,9 @@ class Sharded(Strategy):
             raise ConfigurationError(f"{self.name} with shared_memory=True needs several CPU workers on one host "
                                      "with px.init(transport='auto' or 'shm'); use shared_memory='auto'.")
         return host_memory.possible() and self.shared_memory is not False
+
+    def memory_needed(self, model: nn.Module, optimizer: Any) -> int:
+        return held_bytes(model, optimizer, level=self.level, workers=runtime.size())
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Level 3: the model the user passed gets its whole parameters back, the hooks removed

@@ -29,7 +29,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
         precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
         step_fn: Callable[..., StepResult] | None = None,
         verbose: int = 1, log_dir: str | Path | None = None, strategy: Strategy | None = None,
-        on_nonfinite: str = "raise", data_on_device: bool | None = None) -> History:
+        on_nonfinite: str = "raise", data_on_device: bool | None = None,
+        max_memory_gb: float | None = None) -> History:
     """Train ``model`` for ``epochs`` epochs over ``train_data`` on every worker of the job.
 
     ``global_batch_size`` is the batch of one optimizer step summed over all workers; each worker
@@ -76,6 +77,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
     On a GPU, a dataset of tensors that takes at most half its free memory is kept there for the run
     and batches are gathered on it (``data_on_device=None``, said in the plan line); other data, or
     ``data_on_device=False``, is copied batch by batch on a side stream, one step ahead.
+    ``max_memory_gb`` bounds what a worker may hold for parameters, gradients and optimizer state:
+    a run that would need more is refused before it trains, naming the need and the
+    ``px.Sharded`` level that fits (:class:`px.Sharded <phalanx.strategies.sharded.Sharded>`,
+    docs/sharding.md, which ``strategy`` also takes).
     Returns the per-epoch :class:`History` of global metrics, the same on every rank.
     """
     loop = Loop(model, optimizer, loss_fn, epochs=epochs, global_batch_size=global_batch_size, metrics=metrics,
@@ -84,7 +89,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.opti
                 micro_batch_size=micro_batch_size, accumulate_steps=accumulate_steps, precision=precision,
                 clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, step_fn=step_fn, verbose=verbose,
                 log_dir=log_dir, strategy=strategy, on_nonfinite=on_nonfinite,
-                data_on_device=data_on_device)
+                data_on_device=data_on_device, max_memory_gb=max_memory_gb)
     return loop.fit(train_data, val_data)
 
 

@@ -73,7 +73,7 @@ class Loop:
                  precision: str = "32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  step_fn: Callable[..., StepResult] | None = None, verbose: int = 1,
                  log_dir: str | Path | None = None, strategy: Strategy | None = None, on_nonfinite: str = "raise",
-                 data_on_device: bool | None = None):
+                 data_on_device: bool | None = None, max_memory_gb: float | None = None):
         self.model, self.loss_fn, self.step_fn = model, loss_fn, step_fn
         self.several_optimizers = isinstance(optimizer, (list, tuple))
         self.optimizer = OptimizerGroup(optimizer) if self.several_optimizers else optimizer
@@ -91,6 +91,7 @@ class Loop:
         self.strategy = resolve_strategy(strategy)
         self.on_nonfinite = finite.check_policy(on_nonfinite)
         self.data_on_device = data_on_device
+        self.max_memory_gb = max_memory_gb
         self.plan: horizon.Plan | None = None
         self.state: TrainState | None = None
         self._manual = ManualStep(Precision(), None)
@@ -129,6 +130,7 @@ class Loop:
         faults.point("fit.setup")
         rates = LearningRates(self.lr_schedule, self.optimizer, validates=val_data is not None)
         self.strategy.check(self._fit_options(rates))
+        options.check_memory(self.strategy, self.model, self.optimizer, self.max_memory_gb)
         options.check_one_meaning(self.model, train_data, self.global_batch_size, self.accumulate_steps)
         options.check_checkpoints(self.checkpoint_dir, self.checkpoint_every, self.callbacks)
         device = batch_device(self.data_on_device)

@@ -3,14 +3,17 @@ phalanx could not honour or two settings that disagree, and says what to do inst
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
+from phalanx.comm import runtime
 from phalanx.data import DistributedLoader
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.data_parallel import DataParallel
+from phalanx.strategies.base import OptimizerLike, Strategy, held_bytes
 from phalanx.train import callbacks as cb
 
 
@@ -109,3 +112,30 @@ def micro_batch_size_for(reproducible: bool, micro_batch_size: int | None) -> in
             "micro-batch per worker)."
         )
     return micro_batch_size
+
+
+def check_memory(strategy: Strategy, model: nn.Module, optimizer: OptimizerLike, max_memory_gb: float | None) -> None:
+    """Refuse, before anything trains, a run whose parameters, gradients and optimizer state would
+    take more than ``max_memory_gb`` per worker, naming what it needs and the sharding level that fits."""
+    if max_memory_gb is None:
+        return
+    if not max_memory_gb > 0:
+        raise ConfigurationError(f"max_memory_gb must be a positive number of GiB, got {max_memory_gb!r}.")
+    limit, workers = max_memory_gb * 2**30, runtime.size()
+    needed = strategy.memory_needed(model, optimizer)
+    if needed <= limit:
+        return
+    levels = {level: held_bytes(model, optimizer, level, workers) for level in (1, 2, 3)}
+    fitting = [level for level, held in levels.items() if held <= limit]
+    if fitting:
+        advice = (f"strategy=px.Sharded(level={fitting[0]}) holds {levels[fitting[0]] / 2**30:.3g} GiB per worker at "
+                  f"{workers} workers")
+    else:
+        whole = held_bytes(model, optimizer, 0, 1)
+        advice = (f"no sharding level fits at {workers} workers; px.Sharded(level=3) fits from "
+                  f"{math.ceil(whole / limit)} workers")
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    raise ConfigurationError(
+        f"{strategy.name} needs about {needed / 2**30:.3g} GiB per worker for the parameters, gradients and "
+        f"{type(optimizer).__name__}'s state of {parameters:,} parameters, more than max_memory_gb={max_memory_gb:g} "
+        f"(activations come on top): {advice}.")
