@@ -4,6 +4,7 @@ norm, resumes at another worker count and level, and refuses what it cannot do."
 
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ def _held_after_a_step(level: int) -> dict[str, int]:
     """Elements this worker holds after a step: optimizer state, gradients, parameters (each worker
     its own copy of the units: not in shared memory)."""
     model, (x, y) = _model(), _dataset()
+    before = _reachable_storages()
     model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=False).setup(model, _adam(model))
     loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
     for inputs, targets in loader:
@@ -116,17 +118,31 @@ def _held_after_a_step(level: int) -> dict[str, int]:
              for p in model.parameters() if p.grad is not None}
     buckets = sum(b.flat.untyped_storage().nbytes() // 4 for b in model.reducer._buckets)
     whole = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() // 4 for p in model.parameters()}
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *optimizer.stepping.param_groups[0]["params"],
+             *optimizer.stepping.param_groups[1]["params"], *(b.flat for b in model.reducer._buckets),
+             *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)), inputs, targets]}
+    other = sum(n for ptr, n in _reachable_storages().items() if ptr not in before and ptr not in known) // 4
     return {"state": state, "grads": sum(grads.values()), "buckets": buckets, "whole": sum(whole.values()),
+            "other": other,
             "chunks": sum(p.numel() for p in optimizer.stepping.param_groups[0]["params"] +
                           optimizer.stepping.param_groups[1]["params"]),
             "params": sum(p.numel() for p in model.parameters())}
 
 
+def _reachable_storages() -> dict[int, int]:
+    """Every tensor storage Python can reach: its address and bytes."""
+    gc.collect()
+    return {obj.untyped_storage().data_ptr(): obj.untyped_storage().nbytes() for obj in gc.get_objects()
+            if torch.is_tensor(obj) and obj.untyped_storage().nbytes()}
+
+
 def test_a_worker_holds_its_shard_of_each_level_and_nothing_more_between_steps() -> None:
     """Four workers: Adam's moments of a quarter of the parameters at every level (give or take a
-    unit's rounding); at levels 2 and 3 no gradient memory between steps; at level 3 no whole parameter."""
+    unit's rounding); at levels 2 and 3 no gradient memory between steps; at level 3 no whole
+    parameter; no other tensor (a finished collective's output) outlives the step."""
     held = {level: run_workers(_held_after_a_step, 4, level) for level in (1, 2, 3)}
     params = held[1][0]["params"]
+    assert all(worker["other"] == 0 for workers in held.values() for worker in workers), held
     for level, workers in held.items():
         for worker in workers:
             assert 2 * params / 4 - 2 * 4 * 8 <= worker["state"] <= 2 * params / 4 + 2 * 4 * 8, (level, worker)

@@ -228,7 +228,8 @@ class GradientReducer:
         for bucket in self._buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-                bucket.state = BucketState.DONE
+                # done: dropped, with whatever the collective still holds (a reduce-scatter's output)
+                bucket.handle, bucket.state = None, BucketState.DONE
 
     def _raise_if_not_finite(self) -> None:
         for index, param in enumerate(self.params):
