@@ -26,6 +26,9 @@ def _every_collective() -> dict:
     out["input_untouched"] = torch.equal(t, _rank_tensor(r))
     out["allgather_uneven"] = px.allgather(torch.full((r + 1, 2), float(r)))
     out["allgather_scalar"] = px.allgather(torch.tensor(r))
+    known = [k + 1 for k in range(n)]  # every rank's length told: no exchange of lengths
+    out["allgather_known"] = px.allgather(torch.full((r + 1, 2), float(r)), check=False, lengths=known)
+    out["allgather_known_checked"] = px.allgather(torch.full((r + 1, 2), float(r)), lengths=known)
     out["broadcast"] = px.broadcast(t, root=n - 1)
     out["reduce"] = px.reduce(t, root=n - 1, op="sum")
     in_place = t.clone()
@@ -70,6 +73,8 @@ def test_every_collective_gives_the_reference_result(world_size: int) -> None:
         assert out["inplace_is_same"] and out["input_untouched"]
         torch.testing.assert_close(out["inplace"], _expected_allreduce(n, "sum"))
         assert torch.equal(out["allgather_uneven"], torch.cat([torch.full((k + 1, 2), float(k)) for k in range(n)]))
+        assert torch.equal(out["allgather_known"], out["allgather_uneven"])
+        assert torch.equal(out["allgather_known_checked"], out["allgather_uneven"])
         assert out["allgather_scalar"].tolist() == list(range(n))
         assert torch.equal(out["broadcast"], _rank_tensor(n - 1))
         if r == n - 1:
@@ -224,3 +229,18 @@ def test_bad_arguments_get_clear_errors_without_a_job() -> None:
         px.broadcast(torch.ones(2), root=1)
     with pytest.raises(px.ConfigurationError, match="splits"):
         px.alltoall(torch.ones(3), splits=[2])
+    with pytest.raises(px.ConfigurationError, match="this rank's tensor has 3 rows"):
+        px.allgather(torch.ones(3), check=False, lengths=[2])
+
+
+def _wrong_lengths() -> str:
+    try:
+        px.allgather(torch.ones(px.rank() + 1), lengths=[1, 1])
+    except px.CollectiveMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_lengths_told_to_a_checked_allgather_are_compared_on_every_rank() -> None:
+    for message in run_workers(_wrong_lengths, 2):
+        assert "told the ranks' lengths are [1, 1], but they are [1, 2]" in message

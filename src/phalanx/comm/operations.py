@@ -28,7 +28,7 @@ from phalanx.comm.agreement import BAD_SPLITS, Agreeing, problem_code, read, red
 from phalanx.comm.handles import Handle, done
 from phalanx.comm.routing import ALLREDUCE_ALGORITHMS, REDUCE_OPS
 from phalanx.comm.scopes import when_open
-from phalanx.errors import ConfigurationError
+from phalanx.errors import CollectiveMismatchError, ConfigurationError
 
 T = TypeVar("T")
 
@@ -205,24 +205,37 @@ class Collectives(Agreeing):
         return self._launch("reduce", start, lambda: finish(data), async_op)
 
     @overload
-    def allgather(self, tensor: torch.Tensor, *, async_op: Literal[False] = ..., check: bool = ...) -> torch.Tensor: ...
+    def allgather(self, tensor: torch.Tensor, *, async_op: Literal[False] = ..., check: bool = ...,
+                  lengths: Sequence[int] | None = ...) -> torch.Tensor: ...
 
     @overload
-    def allgather(self, tensor: torch.Tensor, *, async_op: Literal[True], check: bool = ...) -> Handle[torch.Tensor]: ...
+    def allgather(self, tensor: torch.Tensor, *, async_op: Literal[True], check: bool = ...,
+                  lengths: Sequence[int] | None = ...) -> Handle[torch.Tensor]: ...
 
     @when_open
-    def allgather(self, tensor: torch.Tensor, *, async_op: bool = False,
-                  check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
+    def allgather(self, tensor: torch.Tensor, *, async_op: bool = False, check: bool = True,
+                  lengths: Sequence[int] | None = None) -> torch.Tensor | Handle[torch.Tensor]:
         """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ.
 
         A 0-dim tensor counts as one row. The rows travel as bytes, so any dtype but quantized ones can.
+        ``lengths``: every rank's first dimension, where the caller knows them all (a sharded
+        layout); with ``check=False`` the call then skips the exchange of lengths, one round trip.
         """
         tensor = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-        problem = problem_code(tensor.shape, self._size())
-        rows = self._gather_records("allgather", tensor, 0, problem)  # always: the lengths are needed
-        self._compare(rows, "allgather", ignore_first_dim=True, problems_only=not check)
         wire.check_movable(tensor.dtype, "allgather")
-        lengths = [read(row).shape[0] for row in rows]
+        if lengths is None or check:
+            problem = problem_code(tensor.shape, self._size())
+            rows = self._gather_records("allgather", tensor, 0, problem)
+            self._compare(rows, "allgather", ignore_first_dim=True, problems_only=not check)
+            exchanged = [read(row).shape[0] for row in rows]
+            if lengths is not None and list(lengths) != exchanged:
+                raise CollectiveMismatchError(f"rank {self.rank}: allgather was told the ranks' lengths are {list(lengths)}, "
+                                      f"but they are {exchanged}; pass the lengths every rank really has.")
+            lengths = exchanged
+        elif len(lengths) != self._size() or lengths[self._rank()] != tensor.shape[0]:
+            raise ConfigurationError(f"rank {self.rank}: allgather was told the lengths {list(lengths)} for "
+                                  f"{self._size()} ranks, but this rank's tensor has {tensor.shape[0]} rows; "
+                                  "pass one length per rank, this rank's its tensor's first dimension.")
         shape = (sum(lengths), *tensor.shape[1:])
         data = wire.to_bytes(tensor, copy=self._size() == 1)
         if self._size() == 1:

@@ -56,7 +56,8 @@ class Block:
             if runtime.size() == 1:
                 self._in_flight.append(None)
             else:
-                self._in_flight.append(collectives.allgather(unit.shard.detach(), async_op=True, check=False))
+                self._in_flight.append(collectives.allgather(unit.shard.detach(), async_op=True, check=False,
+                                                             lengths=unit.lengths))
 
     @torch.no_grad()
     def wait(self) -> None:

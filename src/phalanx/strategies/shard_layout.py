@@ -49,6 +49,11 @@ class Unit:
             self.shard.data = flat[self.own]
 
     @property
+    def lengths(self) -> list[int]:
+        """Every rank's chunk length, in rank order (what an all-gather of the chunks receives)."""
+        return [stop - start for start, stop in self.bounds]
+
+    @property
     def own(self) -> slice:
         start, stop = self.bounds[runtime.rank()]
         return slice(start, stop)

@@ -170,7 +170,8 @@ class ShardedOptimizer(HeldOptimizer):
         """Every rank's updated chunks into every unit's parameters (one all-gather per unit, all in flight)."""
         if runtime.size() == 1:
             return
-        handles = [collectives.allgather(unit.shard.detach(), async_op=True, check=False) for unit in self.units]
+        handles = [collectives.allgather(unit.shard.detach(), async_op=True, check=False, lengths=unit.lengths)
+                   for unit in self.units]
         for unit, handle in zip(self.units, handles):
             unit.flat.copy_(handle.wait())
 
@@ -315,7 +316,7 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gathered(unit: Unit, chunk: torch.Tensor) -> torch.Tensor:
-    return collectives.allgather(chunk, check=False) if runtime.size() > 1 else chunk
+    return collectives.allgather(chunk, check=False, lengths=unit.lengths) if runtime.size() > 1 else chunk
 
 
 def _split(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
@@ -333,9 +334,11 @@ class Sharded(Strategy):
     gathered for its forward and backward). ``elementwise`` names optimizer classes of your own whose
     update of each element depends on that element alone, which the strategy may then step chunk by
     chunk. ``fusion_threshold_mb`` sizes the units (levels 1-2) and the blocks (level 3);
-    ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``shared_memory``
-    (levels 1-2): ``"auto"`` keeps the units once per host in shared memory when every worker is on
-    this host and reduces through it; ``False`` gives each worker its copy, kept equal by all-gathers.
+    ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``shared_memory``:
+    ``"auto"`` keeps the units once per host in shared memory when every worker is on this host and
+    reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
+    and level 3 has nothing to gather); ``False`` gives each worker its copy (levels 1-2, kept equal by
+    all-gathers) or its chunks (level 3, gathered per block).
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
@@ -384,7 +387,8 @@ class Sharded(Strategy):
             raise ConfigurationError(f"{self.name} needs an optimizer that has not stepped yet: set the strategy up "
                                      "first, then load a saved state with optimizer.load_state_dict.")
         wrapped = wrap(model)
-        if self.level == 3:
+        shared = self._share_memory()
+        if self.level == 3 and not shared:
             if any(hasattr(module, "_orig_mod") for module in wrapped.modules()):
                 raise ConfigurationError(f"{self.name} with a model under torch.compile: level 3 frees and gathers the "
                                          "parameters' memory around each block, which compiled code does not follow; "
@@ -397,8 +401,8 @@ class Sharded(Strategy):
             reduced = units[::-1]  # buckets in the order gradients become ready: the last block's first
         else:
             units = reduced = lay_out(optimizer, wrapped.module, self.fusion_threshold_mb)
-        shared = self.level < 3 and self._share_memory() and bool(units)
-        if shared:
+        shared = shared and bool(units)
+        if shared:  # once per host: a chunk is every worker's share of it, and nothing is gathered
             for unit, view in zip(units, host_memory.shared_copies([u.flat for u in units], 0, "sharded")):
                 unit.adopt(view)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
