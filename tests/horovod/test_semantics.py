@@ -45,10 +45,17 @@ def _gradients(hvd, r: int, n: int) -> dict:
 
 
 def _sparse(hvd, r: int, n: int) -> dict:
+    """Horovod's handle is a callable that waits (``handle()``), with or without a process set; it is
+    also an integer handle ``synchronize`` takes."""
     t = torch.sparse_coo_tensor(torch.tensor([[0, 2 + r]]), torch.tensor([1.0, float(r)]), (n + 3,))
-    return {"sum": hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse.sum", op=hvd.Sum)),
-            "average": hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse.avg")),
-            "dense": hvd.allreduce(t.to_dense(), op=hvd.Sum)}
+    out = {"sum": hvd.sparse_allreduce_async(t, op=hvd.Sum, name="sparse.sum")(),
+           "average": hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse.avg")),
+           "dense": hvd.allreduce(t.to_dense(), op=hvd.Sum)}
+    lower = hvd.add_process_set(list(range(n // 2)))  # every rank adds it; its members reduce in it
+    if lower.included():
+        out["set_sum"] = hvd.sparse_allreduce_async(t, op=hvd.Sum, name="sparse.set", process_set=lower)()
+        out["set_dense"] = hvd.allreduce(t.to_dense(), op=hvd.Sum, process_set=lower)
+    return out
 
 
 def _optimizer_state(hvd, r: int) -> dict:
@@ -125,10 +132,14 @@ def test_reduce_scatter_and_grouped_gradients_follow_horovod(results: list[dict]
 
 
 def test_sparse_allreduce_equals_the_dense_one(results: list[dict]) -> None:
-    for out in (result["sparse"] for result in results):
+    for r, out in enumerate(result["sparse"] for result in results):
         assert out["sum"].is_sparse and out["sum"].is_coalesced()
         torch.testing.assert_close(out["sum"].to_dense(), out["dense"])
         torch.testing.assert_close(out["average"].to_dense(), out["dense"] / WORKERS)
+        assert ("set_sum" in out) == (r < WORKERS // 2)
+        if "set_sum" in out:  # the set's ranks only: not the whole job's sum
+            assert out["set_sum"].is_sparse and not torch.equal(out["set_dense"], out["dense"])
+            torch.testing.assert_close(out["set_sum"].to_dense(), out["set_dense"])
 
 
 def test_optimizer_state_is_created_then_broadcast(results: list[dict]) -> None:

@@ -291,10 +291,20 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                                                 process_set))
 
 
+class SparseHandle(int):
+    """What ``sparse_allreduce_async`` returns: as in Horovod, a callable that waits and returns the
+    coalesced sparse result (``handle()``); it is also an integer handle that ``poll`` and
+    ``synchronize`` take, as phalanx's other asynchronous operations return."""
+
+    def __call__(self) -> torch.Tensor:
+        return synchronize(self)
+
+
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
-                           process_set: ProcessSet = global_process_set) -> int:
+                           process_set: ProcessSet = global_process_set) -> SparseHandle:
     """Start summing (``hvd.Sum``) or averaging a sparse COO tensor over the set: every rank's
-    indices and values are allgathered; ``synchronize`` returns the (coalesced) sparse result."""
+    indices and values are allgathered. ``handle()`` (or ``synchronize(handle)``) waits and returns
+    the coalesced sparse result."""
     op_name = basics.op_name(op)
     if op_name not in ("sum", "avg"):
         raise ConfigurationError("sparse allreduce supports op=hvd.Average and op=hvd.Sum.")
@@ -302,9 +312,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
         raise ConfigurationError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async for a dense one.")
     sparse = tensor.coalesce()
     factor = 1.0 / set_size(process_set) if op_name == "avg" else 1.0
-    return _submit("sparse_allreduce", name, process_set, lambda: gather_sparse(sparse),
-                   lambda gathered: summed_sparse(gathered, sparse.shape, factor), [sparse.values()], op=op_name,
-                   dense_shape=list(sparse.shape))
+    return SparseHandle(_submit("sparse_allreduce", name, process_set, lambda: gather_sparse(sparse),
+                                lambda gathered: summed_sparse(gathered, sparse.shape, factor), [sparse.values()],
+                                op=op_name, dense_shape=list(sparse.shape)))
 
 
 def gather_sparse(sparse: torch.Tensor) -> AllOf:
