@@ -93,7 +93,7 @@ def _checks() -> dict:
 
 def _sparse(hvd, sparse_as_dense: bool) -> tuple[torch.Tensor, bool]:
     """One step of an embedding with sparse gradients: averaged densely, or (Horovod's default) as
-    a sparse allreduce whose gradient stays sparse."""
+    a sparse allreduce; either way the gradient the optimizer sees is sparse, as in Horovod."""
     torch.manual_seed(0)
     embedding = nn.Embedding(10, 3, sparse=True)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=1.0),
@@ -175,7 +175,7 @@ def test_distributed_optimizer_trains_like_one_process(world_size: int) -> None:
         for k in range(n):
             expected[k] -= 1.0 / n
         expected[9] -= 1.0
-        assert out["sparse"][1] is False and out["sparse_allreduce"][1] is True
+        assert out["sparse"][1] is True and out["sparse_allreduce"][1] is True
         torch.testing.assert_close(out["sparse"][0], expected)
         torch.testing.assert_close(out["sparse_allreduce"][0], expected)
         batch = torch.cat([torch.arange(12.0).reshape(4, 3) * (k + 1) for k in range(n)])
@@ -187,3 +187,63 @@ def test_distributed_optimizer_trains_like_one_process(world_size: int) -> None:
         assert "more than backward_passes_per_step" in usage["twice"]
         assert "must be unique" in usage["duplicates"] and "were not named" in usage["unnamed"]
         assert "Adasum" in usage["adasum"] and "op != Average" in usage["predivide_sum"]
+
+
+def _names_and_sparse_adam() -> dict:
+    """Parameters named by the optimizer itself (two groups, no ``named_parameters``), and an
+    embedding with sparse gradients trained by SparseAdam, averaged sparsely and densely."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    model = _model(seed=0)
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 0.01}]
+    unnamed = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    params = list(model.parameters())
+    out = {"unnamed": [unnamed._parameter_names[p] for p in params],
+           "named": [named._parameter_names[p] for p in params]}
+    for sparse_as_dense in (False, True):
+        embedding = _embedding()
+        optimizer = hvd.DistributedOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.1),
+                                             sparse_as_dense=sparse_as_dense)
+        for step in range(3):
+            optimizer.zero_grad()
+            indices, target = _lookups(step, hvd.rank())
+            F.mse_loss(embedding(indices), target).backward()
+            optimizer.step()
+        out[f"sparse_as_dense={sparse_as_dense}"] = embedding.weight.detach().clone()
+    hvd.shutdown()
+    return out
+
+
+def _embedding() -> nn.Embedding:
+    torch.manual_seed(0)
+    return nn.Embedding(12, 3, sparse=True)
+
+
+def _lookups(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: rows that overlap with the other ranks', and targets."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 12, (5,), generator=generator), torch.randn(5, 3, generator=generator)
+
+
+def test_parameters_are_named_without_named_parameters_and_sparse_adam_trains() -> None:
+    """Horovod names unnamed parameters ``allreduce.noname.<group>.<index>`` and exposes the mapping
+    as ``_parameter_names``; SparseAdam needs sparse gradients, which sparse_as_dense hands back."""
+    n = 2
+    results = run_workers(_names_and_sparse_adam, n, timeout=60)
+    embedding = _embedding()  # one process, on every rank's batch at once
+    optimizer = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        batches = [_lookups(step, r) for r in range(n)]
+        F.mse_loss(embedding(torch.cat([i for i, _ in batches])), torch.cat([t for _, t in batches])).backward()
+        optimizer.step()
+    for out in results:
+        assert out["unnamed"] == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
+                                  "allreduce.noname.1.1"]
+        assert out["named"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        for setting in ("sparse_as_dense=False", "sparse_as_dense=True"):
+            torch.testing.assert_close(out[setting], embedding.weight.detach(), msg=setting)
+            assert not torch.equal(out[setting], _embedding().weight.detach())  # it trained

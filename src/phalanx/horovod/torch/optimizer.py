@@ -29,12 +29,15 @@ from phalanx.parallel.reducer import GradientReducer
 class DistributedOptimizer(torch.optim.Optimizer):
     """Average gradients over the process set during backward, then step ``optimizer``.
 
-    ``named_parameters`` names the parameters (for errors and the timeline); ``compression``
+    ``named_parameters`` names the parameters (for errors and the timeline; without it they are named
+    as Horovod names them, ``allreduce.noname.<group>.<index>``, and ``_parameter_names`` maps each
+    parameter to its name, as in Horovod); ``compression``
     ``hvd.Compression.fp16`` sends gradient buckets as float16; ``backward_passes_per_step=k``
     accumulates k backwards locally and reduces once; ``op`` is ``hvd.Average`` or ``hvd.Sum``;
     ``gradient_predivide_factor`` divides before the sum and multiplies after (Average only);
     ``groups`` (a number of groups, or lists of parameters) fixes which gradients travel together
-    instead of the engine's 25 MB buckets; ``sparse_as_dense`` averages sparse gradients densely.
+    instead of the engine's 25 MB buckets; ``sparse_as_dense`` averages sparse gradients densely and
+    hands them back sparse (so ``torch.optim.SparseAdam`` works).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -86,6 +89,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _groups(settings["groups"], params), settings["sparse_as_dense"], [name for name, _ in named])
         self._reducer = GradientReducer(params, [name for name, _ in named], DEFAULT_FUSION_THRESHOLD_MB,
                                         self._summation, schedule=self._summation.phase)
+
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """Every parameter of the wrapped optimizer and its name (Horovod's attribute, read by some
+        scripts): ``named_parameters``' names, else Horovod's ``allreduce.noname.<group>.<index>``,
+        the same on every rank that built the optimizer alike."""
+        return {p: name for name, p in self._named()}
 
     def reshard(self, rank: int, world_size: int) -> None:
         """The elastic group was re-formed: hook the engine anew for the new size (``px.elastic.State``'s protocol)."""
@@ -187,14 +197,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 class _Names:
-    """Callable giving ``(name, parameter)`` for every parameter of the optimizer, in group order."""
+    """Callable giving ``(name, parameter)`` for every parameter of the optimizer, in group order: its
+    given name, else Horovod's for an unnamed one (``allreduce.noname.<group>.<index in the group>``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]):
         self.optimizer, self.names = optimizer, names
 
     def __call__(self) -> list[tuple[str, torch.nn.Parameter]]:
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return [(self.names.get(id(p), f"allreduce.noname.{i}"), p) for i, p in enumerate(params)]
+        return [(self.names.get(id(p), f"allreduce.noname.{g}.{i}"), p)
+                for g, group in enumerate(self.optimizer.param_groups) for i, p in enumerate(group["params"])]
 
 
 def _named(optimizer: torch.optim.Optimizer,

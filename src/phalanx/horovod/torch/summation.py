@@ -8,8 +8,10 @@ counts the same (``Average`` divides by the set's size, ``Sum`` does not), the o
 ``backward_passes_per_step`` (local accumulation over several backwards, one allreduce), explicit
 ``groups`` and the set's group. Buckets go through the checked allreduce, so ranks that called
 ``hvd.join()`` take part with zeros. A sparse gradient (``nn.Embedding(sparse=True)``) travels as
-Horovod's sparse allreduce does, its indices and values allgathered beside its bucket, unless
-``sparse_as_dense``.
+Horovod's sparse allreduce does, its indices and values allgathered beside its bucket; with
+``sparse_as_dense`` it is averaged densely in its bucket and handed back sparse, as Horovod does
+(the rows where the average is not zero), so optimizers that take only sparse gradients
+(``torch.optim.SparseAdam``) work either way.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class HorovodAverage:
         self._reducing = False  # the backward now running reduces
         self._started: list[float] = []
         self._sparse: dict[int, torch.Tensor] = {}  # this backward's sparse gradients, prescaled, by parameter
+        self._densified: dict[int, int] = {}  # sparse gradients averaged densely (sparse_as_dense): sparse dims
         self._gathered: dict[int, AllOf] = {}  # their allgathers in flight (indices and values)
 
     def agree_order(self, observed: list[int]) -> list[int] | None:
@@ -99,7 +102,7 @@ class HorovodAverage:
         return buckets
 
     def begin_backward(self) -> None:
-        self._started, self._sparse, self._gathered = [], {}, {}
+        self._started, self._sparse, self._gathered, self._densified = [], {}, {}, {}
 
     def pack(self, bucket: Bucket, slot: int, param: torch.nn.Parameter) -> None:
         """Write this parameter's gradient, prescaled, into its slot; ``.grad`` becomes a view of it."""
@@ -110,6 +113,7 @@ class HorovodAverage:
                 view.zero_()
                 bucket.used[slot] = False
                 return
+            self._densified[bucket.param_indices[slot]] = grad.sparse_dim()
             grad = grad.to_dense()
         if grad is None:
             view.zero_()
@@ -151,13 +155,21 @@ class HorovodAverage:
             if self.postscale != 1.0:
                 bucket.gradient.mul_(self.postscale)
             for slot, index in enumerate(bucket.param_indices):
-                self.params[index].grad = bucket.views[slot] if used[slot] > 0 else self._sparse_sum(index)
+                self.params[index].grad = self._averaged(bucket.views[slot], index) if used[slot] > 0 \
+                    else self._sparse_sum(index)
             if timeline.active():
                 timeline.record("ALLREDUCE", f"gradients.bucket{bucket.index}", started,
                                 {"parameters": [self.names[i] for i in bucket.param_indices]})
         timeline.cycle()
         self.accumulation.restart()
         self.reduced, self._reducing = True, False
+
+    def _averaged(self, dense: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s averaged gradient from its bucket: sparse again (its nonzero rows, the
+        same on every rank) where it came sparse and was averaged densely (``sparse_as_dense``)."""
+        if index in self._densified:
+            return dense.to_sparse(self._densified[index])
+        return dense
 
     def _sparse_sum(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s summed sparse gradient, postscaled, if it had one (else ``None``)."""
