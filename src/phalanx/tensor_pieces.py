@@ -19,7 +19,10 @@ import torch
 
 def piece(local: torch.Tensor, total: int, bounds: Sequence[tuple[int, int]], rank: int) -> Any:
     """The tensor of ``total`` flat elements of which rank ``r`` holds ``bounds[r]`` (start, stop) and
-    this rank ``local``: the same layout on every rank, so no collective is needed to describe it."""
+    this rank ``local``: the same layout on every rank, so no collective is needed to describe it.
+    A rank alone holds the whole tensor, which is ``local`` itself (no process group needed)."""
+    if len(bounds) == 1:
+        return local
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -43,7 +46,7 @@ def save(state: dict[str, Any], folder: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(folder))
+        dcp.save(state, checkpoint_id=str(folder), no_dist=_alone())
 
 
 def load(state: dict[str, Any], folder: Path) -> None:
@@ -52,7 +55,12 @@ def load(state: dict[str, Any], folder: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, checkpoint_id=str(folder), no_dist=_alone())
+
+
+def _alone() -> bool:
+    """Whether this process has no group to save or load with (a world of one, an elastic job's included)."""
+    return not torch.distributed.is_initialized()
 
 
 def contents(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:

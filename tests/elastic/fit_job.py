@@ -4,7 +4,7 @@ Run by ``phalanx run`` (elastic) or as a plain process (the uninterrupted refere
 its pid to ``--pids``, rank 0 writes the global step to ``--progress`` after every step, and at
 the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``. With
 ``--checkpoints`` it also validates every epoch and writes checkpoints there (neither changes the
-weights, so the reference is the same).
+weights, so the reference is the same); ``--level L`` trains under ``px.Sharded(level=L)``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def digest(state: dict) -> str:
     return hasher.hexdigest()
 
 
-def train(progress: Path | None = None, checkpoints: Path | None = None) -> str:
+def train(progress: Path | None = None, checkpoints: Path | None = None, level: int = 0,
+          shared_memory: bool | str = "auto") -> str:
+    """The job's training (``level`` > 0: under px.Sharded at that level); the digest of its weights."""
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
@@ -51,7 +53,8 @@ def train(progress: Path | None = None, checkpoints: Path | None = None) -> str:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
            reproducible=True, micro_batch_size=MICRO, verbose=0, metrics=["accuracy"],
-           callbacks=[Progress(progress)] if progress else [], val_data=validation, checkpoint_dir=checkpoints)
+           callbacks=[Progress(progress)] if progress else [], val_data=validation, checkpoint_dir=checkpoints,
+           strategy=px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None)
     return digest(model.state_dict())
 
 
@@ -61,10 +64,12 @@ if __name__ == "__main__":
     parser.add_argument("--pids", type=Path, required=True)
     parser.add_argument("--progress", type=Path, required=True)
     parser.add_argument("--checkpoints", type=Path)
+    parser.add_argument("--level", type=int, default=0, help="train under px.Sharded(level=LEVEL)")
+    parser.add_argument("--own-copies", action="store_true", help="px.Sharded(shared_memory=False)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
     (args.pids / f"{px.rank()}.pid").write_text(str(os.getpid()))
-    result = train(args.progress, args.checkpoints)
+    result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto")
     if px.is_master():
         torch.save({"digest": result}, args.out)

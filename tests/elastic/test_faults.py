@@ -46,11 +46,11 @@ def uninterrupted() -> str:
 
 
 def run_job(tmp_path: Path, workers: int, min_workers: int, env: dict[str, str] | None = None,
-            kill_after: float | None = None) -> tuple[str, str]:
+            kill_after: float | None = None, job_args: tuple[str, ...] = ()) -> tuple[str, str]:
     """Run the job to its end; its digest and the launcher's output."""
     args = ["-n", str(workers), "--min-workers", str(min_workers), "--timeout", "40"]
-    with launched(tmp_path, args, ["--checkpoints", str(tmp_path / "checkpoints")], job=Path(fit_job.__file__),
-                  env=env) as job:
+    with launched(tmp_path, args, ["--checkpoints", str(tmp_path / "checkpoints"), *job_args],
+                  job=Path(fit_job.__file__), env=env) as job:
         if kill_after is not None:
             _kill_one_after(job, workers, kill_after)
         started = time.monotonic()
@@ -90,6 +90,34 @@ def test_a_worker_killed_at_a_random_time_is_survived_bitwise(tmp_path: Path) ->
     random.seed(f"{os.getpid()}-{time.time()}")  # another moment in every run of the suite
     digest, _ = run_job(tmp_path, 3, 2, kill_after=random.uniform(0.0, 2.5))
     assert digest == uninterrupted()
+
+
+@functools.lru_cache(maxsize=None)
+def uninterrupted_sharded(level: int) -> str:
+    return fit_job.train(level=level)
+
+
+# (faults, level, own copies): a death before the first epoch's checkpoint (the job resumes from the
+# one written before its first step), one in the second epoch, and one during the re-form that follows.
+SHARDED_CASES = [
+    ("step.end@1#5", 1, False),
+    ("step.reduce@2#14", 2, False),
+    ("step.forward@1#13,reform.connect@2", 3, False),
+    ("step.end@2#15", 3, True),                  # level 3 gathering its blocks, as between hosts
+]
+
+
+@pytest.mark.parametrize("spec,level,own_copies", SHARDED_CASES, ids=[f"{c[0]}-level{c[1]}" for c in SHARDED_CASES])
+def test_a_sharded_job_resumes_from_its_last_checkpoint_at_the_new_worker_count_bitwise(
+        tmp_path: Path, spec: str, level: int, own_copies: bool) -> None:
+    """No worker holds a copy of another's shards (the next issue's): the survivors re-form, lay the
+    units out for their number, read the last checkpoint on disk and say so; reproducible mode makes
+    the result the uninterrupted run's, bit for bit."""
+    job_args = ("--level", str(level), *(["--own-copies"] if own_copies else []))
+    digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: spec}, job_args=job_args)
+    assert launcher.count("was lost: signal SIGKILL") == len(spec.split(",")), launcher
+    assert f"px.Sharded(level={level}) keeps no copy of a lost worker's shards: resumed from" in launcher, launcher
+    assert digest == uninterrupted_sharded(level)
 
 
 def test_a_fault_spec_that_names_no_moment_is_refused() -> None:

@@ -3,7 +3,8 @@
 Each environment reads only variables; :func:`detect` asks them in a fixed order and returns
 the first that recognises the process. Adding a scheduler means adding one class here. The
 variables phalanx's own launcher adds under any of them (the timeout, the job's id, an elastic
-member's id) are read here too, so this module is the whole launch contract: nothing else in the
+member's id) are read here too, and so are Horovod's (``HOROVOD_*``, kept as they are for
+``phalanx.horovod`` to interpret), so this module is the whole launch contract: nothing else in the
 package reads a launch variable.
 """
 
@@ -24,6 +25,7 @@ ELASTIC_ENV = "PHALANX_ELASTIC"  # "1": an elastic launch, whose coordinator adm
 MEMBER_ENV = "PHALANX_MEMBER_ID"  # this worker's id among an elastic job's members
 DEVICE_ENV = "PHALANX_DEVICE"  # "cuda" or "cpu": the launcher's --device (absent: auto)
 DEVICES = ("auto", "cuda", "cpu")  # what a launch may say the workers train on (phalanx.comm.devices)
+HOROVOD_PREFIX = "HOROVOD_"  # Horovod's variables: read here, interpreted by phalanx.horovod.torch.variables
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class LaunchInfo:
     job_id: str = ""  # the launcher's job id; empty: the workers agree on one through the store
     elastic_member: int | None = None  # this worker's member id in an elastic launch, else None
     device: str = "auto"  # $PHALANX_DEVICE: "cuda" or "cpu" when the launch chose (phalanx.comm.devices)
+    horovod_variables: tuple[tuple[str, str], ...] = ()  # every HOROVOD_* variable (name, value), sorted
 
 
 class Environment:
@@ -259,8 +262,10 @@ def phalanx_variables(env: Mapping[str, str]) -> dict[str, Any]:
     device = env.get(DEVICE_ENV) or "auto"
     if device not in DEVICES:
         raise ConfigurationError(f"${DEVICE_ENV}={device!r} is not a device: use 'cuda' or 'cpu'.")
+    horovod = tuple(sorted((name, value) for name, value in env.items() if name.startswith(HOROVOD_PREFIX)))
     return {"timeout_s": timeout_s, "job_id": env.get(JOB_ENV, ""),
-            "elastic_member": int(member) if member is not None else None, "device": device}
+            "elastic_member": int(member) if member is not None else None, "device": device,
+            "horovod_variables": horovod}
 
 
 def _validate(info: LaunchInfo) -> None:

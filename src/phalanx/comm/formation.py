@@ -176,6 +176,7 @@ def adopt_existing_group(info: LaunchInfo, timeout_s: float, device: torch.devic
         node_rank=info.node_rank,
         master_addr=info.master_addr,
         master_port=info.master_port,
+        horovod_variables=info.horovod_variables,
     )
     backend = dist.get_backend()
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD

@@ -96,6 +96,9 @@ class Strategy(Protocol):
 
     asynchronous: bool = False
     nonfinite_agreement: str = "gradient"
+    #: Whether a re-formed elastic group reads the last checkpoint on disk (the committed objects
+    #: hold no copy of a lost worker's state) rather than going on from the last commit in memory.
+    resumes_from_disk: bool = False
 
     @property
     def name(self) -> str:

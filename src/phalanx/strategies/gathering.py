@@ -163,9 +163,23 @@ class Gathering:
     def remove(self) -> None:
         """Detach every hook, leaving the model whole and plain (the end of training)."""
         self.gather_all()
+        self.detach()
+
+    def detach(self) -> None:
+        """Detach every hook and give every parameter its memory back, without gathering (after the
+        group changed: the values are stale, to be read from a checkpoint; gathers in flight
+        belonged to the old group and are dropped)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for block in self.blocks:
+            block._in_flight = []
+            for unit in block.units:
+                storage = unit.flat.untyped_storage()
+                if storage.nbytes() == 0:
+                    storage.resize_(unit.flat.numel() * unit.flat.element_size())
+                    unit.flat.zero_()
+            block.gathered = True
 
     @torch.no_grad()
     def _keep_loaded(self) -> None:

@@ -40,8 +40,8 @@ from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
-from phalanx.strategies.base import (FitOptions, Strategy, held_bytes, refuse, refuse_parameter_servers_launched,
-                                     wrap)
+from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strategy, held_bytes, refuse,
+                                     refuse_parameter_servers_launched, wrap)
 from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies import host_memory
 from phalanx.strategies.gathering import Gathering, cut
@@ -65,6 +65,10 @@ class ShardedReduction(Reduction):
         self.units = list(units)
         self.scatter = scatter
         self.name = "reduce-scatter to shards" if scatter else "allreduce, sharded step"
+
+    def relay(self, units: Sequence[Unit], scatter: bool) -> None:
+        """The same parameters laid out again for a re-formed group (each rank's chunk moved)."""
+        self.units, self.scatter = list(units), scatter
 
     def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
         return [list(group) for group in self.groups]
@@ -112,6 +116,14 @@ class ShardedOptimizer(HeldOptimizer):
         groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
                   for index, group in enumerate(optimizer.param_groups)]
         self.stepping = _same_kind(optimizer, groups)
+
+    def relay(self, units: list[Unit], gathering: Gathering | None, shared: bool) -> None:
+        """Step ``units`` from now on (laid out again for a re-formed group), with a fresh instance of
+        the user's optimizer over their chunks: its state is read next, from a checkpoint."""
+        self.units, self.gathering, self.shared = units, gathering, shared
+        groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
+                  for index, group in enumerate(self.optimizer.param_groups)]
+        self.stepping = _same_kind(self.optimizer, groups)
 
     @property
     def state(self) -> Any:
@@ -286,6 +298,23 @@ class ShardedOptimizer(HeldOptimizer):
         return {id(param): name for name, param in self.model.module.named_parameters()}
 
 
+class _Layout:
+    """What an elastic job commits of a sharded model: no state, but told of every new group (see
+    :meth:`Sharded.follow_group`)."""
+
+    def __init__(self, strategy: Sharded, model: DataParallel, optimizer: ShardedOptimizer):
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the shards come from the last checkpoint on disk."""
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        self.strategy.follow_group(self.model, self.optimizer)
+
+
 def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str]) -> dict[str, Any]:
     """For each of the unit's parameters and each of ``chunks`` (this rank's chunk of the weights or
     of a state tensor, keyed by a name pattern such as ``optim/{}/exp_avg``), the parameter's piece as
@@ -354,8 +383,10 @@ class Sharded(Strategy):
             raise ConfigurationError(f"px.Sharded(shared_memory=...) must be 'auto', True or False, got {shared_memory!r}.")
         self.shared_memory = shared_memory
         self.gathering: Gathering | None = None
+        self.reduction: ShardedReduction | None = None
         self.reproducible = False
         self.nonfinite_agreement = "gradient" if level == 1 else "collective"
+        self.resumes_from_disk = True  # no worker holds a copy of another's shards
 
     @property
     def name(self) -> str:
@@ -370,9 +401,9 @@ class Sharded(Strategy):
         if options.manual_step:
             refuse(self.name, "a step_fn that steps its own optimizers", "the strategy steps the optimizer on its shards; "
                    "give step_fn(model, batch) and let px.fit step.")
-        if options.elastic:
-            refuse(self.name, "an elastic job", "no worker holds the whole optimizer state, so a lost worker's shard "
-                   "could not be rebuilt; use px.DataParallel for elastic jobs, or a fixed number of workers.")
+        if options.elastic and options.checkpoint_dir is None:
+            refuse(self.name, "an elastic job without checkpoint_dir", "no worker holds a copy of another's shards, so "
+                   "after a worker is lost the group resumes from the last checkpoint on disk: give checkpoint_dir.")
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ShardedOptimizer]:
         """Lay the parameters out in units, plug the sharded reduction into the engine, and wrap the
@@ -387,6 +418,18 @@ class Sharded(Strategy):
             raise ConfigurationError(f"{self.name} needs an optimizer that has not stepped yet: set the strategy up "
                                      "first, then load a saved state with optimizer.load_state_dict.")
         wrapped = wrap(model)
+        units, reduced, shared = self._lay_out(wrapped, optimizer)
+        params = [p for p in wrapped.module.parameters() if p.requires_grad]
+        # within a host, shared memory all-reduces for the cost of a reduce-scatter
+        self.reduction = ShardedReduction(reduced, params, scatter=self.level >= 2 and not shared)
+        wrapped.rebuild_reducer(reduction=self.reduction)
+        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering, shared)
+
+    def _lay_out(self, wrapped: DataParallel,
+                 optimizer: torch.optim.Optimizer) -> tuple[list[Unit], list[Unit], bool]:
+        """Cut the parameters into units for the current group (blocks gathered by hooks at level 3
+        between hosts) and move them into host shared memory where every worker is on this host; the
+        units, the same in the order their buckets are reduced, and whether they are shared."""
         shared = self._share_memory()
         if self.level == 3 and not shared:
             if any(hasattr(module, "_orig_mod") for module in wrapped.modules()):
@@ -405,10 +448,24 @@ class Sharded(Strategy):
         if shared:  # once per host: a chunk is every worker's share of it, and nothing is gathered
             for unit, view in zip(units, host_memory.shared_copies([u.flat for u in units], 0, "sharded")):
                 unit.adopt(view)
-        params = [p for p in wrapped.module.parameters() if p.requires_grad]
-        scatter = self.level >= 2 and not shared  # within a host, shared memory all-reduces for the same cost
-        wrapped.rebuild_reducer(reduction=ShardedReduction(reduced, params, scatter=scatter))
-        return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering, shared)
+        return units, reduced, shared
+
+    def committed(self, model: DataParallel, optimizer: OptimizerLike) -> dict[str, Stateful]:
+        """An elastic job commits no shard in memory (no worker holds another's): only the layout,
+        which a re-formed group cuts again before the last checkpoint on disk is read."""
+        return {"layout": _Layout(self, model, optimizer)}
+
+    def follow_group(self, model: DataParallel, optimizer: ShardedOptimizer) -> None:
+        """After the group changed: the units laid out afresh for it, as ``setup`` lays them out (the
+        parameters' values and the optimizer's state are read next, from the last checkpoint)."""
+        if self.gathering is not None:
+            self.gathering.detach()
+            self.gathering = None
+        units, reduced, shared = self._lay_out(model, optimizer.optimizer)
+        assert self.reduction is not None, "follow_group comes after setup"
+        self.reduction.relay(reduced, scatter=self.level >= 2 and not shared)
+        model.reshard(runtime.rank(), runtime.size())  # a new engine, summing as before (reproducible mode's way)
+        optimizer.relay(units, self.gathering, shared)
 
     def _share_memory(self) -> bool:
         if self.shared_memory is True and not host_memory.possible():

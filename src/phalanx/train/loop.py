@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,7 +33,7 @@ from torch import nn
 from phalanx import elastic, faults, tune
 from phalanx.comm import collectives, runtime
 from phalanx.data import DistributedLoader, from_dataloader
-from phalanx.errors import ConfigurationError
+from phalanx.errors import CheckpointError, ConfigurationError
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.exact import ExactGradients
 from phalanx.global_batch import mix_seed
@@ -328,20 +329,30 @@ def _train_elastic(run: FitRun) -> None:
                "loop": LoopPosition(state), "precision": state.precision, "lr_schedule": state.rates,
                **({"val_loader": val_loader} if val_loader is not None else {}),
                **({"exact": state.exact} if state.exact is not None else {})}
+    from_disk = run.strategy.resumes_from_disk
     last = None
     if run.checkpoint_dir is not None:
         Path(run.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        last = Path(run.checkpoint_dir) / checkpoint.ELASTIC_LAST
+        # the last commit is worth saving below the minimum only where it holds the whole state
+        last = None if from_disk else Path(run.checkpoint_dir) / checkpoint.ELASTIC_LAST
     carried = elastic.State(checkpoint_path=last, prepared=False, **objects)
     begun = False
+    read_in: int | None = None  # the generation whose state this worker holds
 
     def train(carried: elastic.State) -> bool:
-        nonlocal begun
+        nonlocal begun, read_in
         state.guard.forget_pending()  # back at a committed state: the steps after it are checked again
+        generation = _generation()
         if not carried.prepared:
             run.prepare()
+            if from_disk and state.checkpointed_step != state.global_step:
+                checkpoint.save(state, run.checkpoint_dir)  # something to resume from before the first save
             carried.prepared = True
             carried.commit()
+        elif from_disk and generation != read_in:
+            _resume_after_reform(run)
+            carried.commit()
+        read_in = generation
         if not begun:  # once per process: callbacks are this worker's own objects
             hooks.on_train_begin(state)
             begun = True
@@ -355,6 +366,26 @@ def _train_elastic(run: FitRun) -> None:
         # Started after the job had finished, never admitted: it trained nothing, so the script must
         # not go on to use (or save over the job's result) an untrained model; it ends here, status 0.
         raise SystemExit(0)
+
+
+def _generation() -> int | None:
+    view = runtime.membership()
+    return view.generation if view is not None else None
+
+
+def _resume_after_reform(run: FitRun) -> None:
+    """A re-formed group of a strategy whose commits hold no copy of a lost worker's state goes on
+    from the last checkpoint on disk, at the new worker count (collective), and says so."""
+    path = checkpoint.restore(run.state, [run.checkpoint_dir])
+    if path is None:
+        raise CheckpointError(
+            f"{run.strategy.name} lost a worker's state, which no other worker holds, and {run.checkpoint_dir} has "
+            "no checkpoint to resume from (was it emptied during the run?); start the job again.")
+    message = (f"phalanx elastic: {run.strategy.name} keeps no copy of a lost worker's shards: resumed from {path} "
+               f"(global step {run.state.global_step}) at {runtime.size()} worker(s)")
+    logger.warning(message)
+    if runtime.is_master():
+        print(message, file=sys.stderr, flush=True)
 
 
 def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callable[[], None]) -> None:

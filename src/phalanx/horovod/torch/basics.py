@@ -1,11 +1,13 @@
 """Horovod's process-level API: init and shutdown, where this process sits, how it was built.
 
-``init`` joins the job through :func:`px.init <phalanx.comm.runtime.init>` (so ``phalanx run``,
-torchrun, SLURM and mpirun launches all work) and registers the static process sets. The
+``init`` reads Horovod's environment variables first (:mod:`~phalanx.horovod.torch.variables`:
+each honoured, or refused by name before anything is joined), joins the job through
+:func:`px.init <phalanx.comm.runtime.init>` (so ``phalanx run``, torchrun, SLURM and mpirun launches
+all work) and registers the static process sets. The
 ``*_built``/``*_enabled`` answers describe this installation truthfully: Gloo carries CPU tensors;
 NCCL is there when torch was built with it and CUDA is usable; MPI, DDL and oneCCL never are.
 
-What Horovod holds for a generation of the job (its layout, process sets and negotiation) hangs on that
+What Horovod holds for a generation of the job (its settings, layout, process sets and negotiation) hangs on that
 generation's communicator (:meth:`~phalanx.comm.communicator.Communicator.attached`): ``init`` and
 every elastic reset start them on the current one (:func:`begin_generation`), and the generation's end
 (``shutdown``, a re-form) closes them with it, so the next one starts afresh.
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from phalanx.comm import runtime
 from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.errors import ConfigurationError, NotInitializedError
-from phalanx.horovod.torch import negotiation
+from phalanx.horovod.torch import negotiation, timeline, variables
 from phalanx.horovod.torch import process_sets as sets
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class Layout:
 
 
 LAYOUT: Attachment[Layout] = Attachment("horovod layout")
+SETTINGS: Attachment[variables.Settings] = Attachment("horovod settings")
 
 
 def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> None:
@@ -58,6 +61,8 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
 
     Calling it again does nothing. ``comm`` (an MPI communicator or a list of ranks) is refused:
     phalanx forms its groups through torch.distributed; use process sets for subsets of ranks.
+    Horovod's environment variables are honoured (HOROVOD_TIMELINE starts the timeline here) or
+    refused, all named in one error, before the job is joined.
     """
     if is_initialized():
         return
@@ -66,9 +71,17 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
             "hvd.init(comm=...) is not supported: phalanx forms its groups through torch.distributed, not MPI. "
             "Call hvd.init() and pass process_sets=[hvd.ProcessSet(ranks), ...] to work on subsets of ranks."
         )
-    runtime.init()
+    settings = variables.read(runtime.launch_info().horovod_variables)
+    if settings.unknown:
+        logger.warning("hvd.init(): %s: not Horovod variable(s) that phalanx knows (a typo?); they change nothing.",
+                       ", ".join(settings.unknown))
+    runtime.init(transport=settings.transport)
+    variables.check_joined(settings, runtime.communicator())
+    variables.configure_logging(settings, runtime.rank())
     static = [] if isinstance(process_sets, str) or process_sets is None else list(process_sets)
-    begin_generation(sets.wants_dynamic(process_sets), static)
+    begin_generation(process_sets == "dynamic" or settings.dynamic_process_sets, static)
+    if settings.timeline is not None:
+        timeline.start_timeline(settings.timeline, settings.timeline_mark_cycles)
 
 
 def begin_generation(dynamic: bool, static: Sequence[sets.ProcessSet] = ()) -> None:
@@ -79,14 +92,17 @@ def begin_generation(dynamic: bool, static: Sequence[sets.ProcessSet] = ()) -> N
     them already it does nothing; each is closed with the generation (see the module's docstring).
     """
     communicator = runtime.communicator()
+    settings = communicator.attached(SETTINGS, lambda: variables.read(communicator.info.horovod_variables))
     communicator.attached(LAYOUT, lambda: _agreed_layout(communicator))
     registry = sets.opened(dynamic, static)
-    negotiation.opened(registry.negotiated_scope)
+    negotiation.opened(registry.negotiated_scope, settings)
 
 
 def shutdown() -> None:
     """Leave the job; ``init`` may be called again. The generation's end closes what Horovod held on
-    it: its negotiation first (collective: every rank leaves), then the process sets it registered."""
+    it: its negotiation first (collective: every rank leaves), then the process sets it registered.
+    A timeline being written is finished, as Horovod's shutdown finishes it."""
+    timeline.stop_timeline()
     runtime.shutdown()
 
 
@@ -113,6 +129,14 @@ def require_init() -> Layout:
     if layout is None:
         raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
     return layout
+
+
+def settings() -> variables.Settings:
+    """What the job's HOROVOD_* variables ask for (read at ``hvd.init``)."""
+    require_init()
+    found = runtime.attachment(SETTINGS)
+    assert found is not None  # attached with the layout, by begin_generation
+    return found
 
 
 def size() -> int:

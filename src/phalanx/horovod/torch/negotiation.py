@@ -13,11 +13,13 @@ Every rank then holds the same table and reaches the same decisions in the same 
   The check is the collectives' own (:func:`phalanx.comm.agreement.verdict`), in the same words;
 - the others are launched in the table's order on groups of their own (one pair per process set),
   so they never interleave with the collectives the rest of phalanx runs from the user's thread;
-- an operation that a rank waited for longer than the job's timeout is *overdue*: that rank says so
-  in the next cycle, and every rank fails it, and every other operation still waiting on any of its
-  ranks, on every rank that submitted them, with one report (who submitted each, who did not). As
-  with Horovod's stall check, the verdict is the same everywhere: no rank later matches an operation
-  that another rank has given up on (a barrier never passes on one rank and times out on another).
+- an operation that a rank waited for longer than the job's timeout (or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)
+  is *overdue*: that rank says so in the next cycle, and every rank fails it, and every other operation
+  still waiting on any of its ranks, on every rank that submitted them, with one report (who submitted
+  each, who did not). As with Horovod's stall check, the verdict is the same everywhere: no rank later
+  matches an operation that another rank has given up on (a barrier never passes on one rank and times
+  out on another). Before that, a rank that has waited HOROVOD_STALL_CHECK_TIME_SECONDS (60 s) logs a
+  warning naming the ranks that have not submitted it, as Horovod's stall check does.
 
 Each generation of the job has its own negotiator, kept on its communicator (:func:`opened`), whose
 end (``hvd.shutdown()``, an elastic re-form, the process's exit) closes it. Leaving is collective,
@@ -29,7 +31,9 @@ that need it fail on every rank that submitted them, naming it. A lost peer fail
 Cycles cost nothing while nothing moves: after each cycle every thread waits on the same numbered key
 of the job's store (a doorbell), and a rank with news (a submission, a join, leaving) sets it; a rank waiting in ``synchronize`` rings it once a second, so a peer that
 died shows as a failed cycle within a second. Where the job has no store (a process group made by someone else),
-idle threads poll instead, backing off to 10 ms.
+idle threads poll instead, backing off to 10 ms. HOROVOD_CYCLE_TIME sets the shortest time from one
+cycle's start to the next's (Horovod's cycle time; none by default), so that operations submitted
+meanwhile travel together.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.errors import PhalanxError
 from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismatchError, HorovodTimeoutError
 from phalanx.horovod.torch.process_sets import new_scope
+from phalanx.horovod.torch.variables import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +108,14 @@ class _AllLeft(Exception):
 class Negotiator:
     """The negotiation of one generation of the job (see the module's docstring)."""
 
-    def __init__(self, communicator: Communicator, set_scope: Callable[[int], collectives.Scope | None]):
+    def __init__(self, communicator: Communicator, set_scope: Callable[[int], collectives.Scope | None],
+                 settings: Settings):
         self.communicator, self.set_scope = communicator, set_scope
         self.stand_in: Callable[[Record], Launch] | None = None  # while this rank is joined (join)
         self.closed = False
         self.rank, self.size, self.timeout_s = communicator.rank, communicator.size, communicator.timeout_s
+        self.stall_s = settings.stall_shutdown_s or self.timeout_s  # an operation waited for longer is overdue
+        self.stall_warning_s, self.cycle_time_s = settings.stall_warning_s, settings.cycle_time_s
         self._whole_job = new_scope(list(range(self.size)))
         self._stand_ins: list[Any] = []  # a joined rank's zeros in flight
         self._lock = threading.Lock()
@@ -166,34 +175,47 @@ class Negotiator:
 
     def all_joined(self, joined: concurrent.futures.Future) -> None:
         """Wait for :meth:`join`'s future: every rank has joined (or the negotiation's error)."""
-        if not self._awaited(joined):
+        if not self._awaited(joined, self.timeout_s):
             raise HorovodTimeoutError(f"hvd.join() on rank {self.rank}: not every rank joined within "
                                       f"{self.timeout_s:.0f}s; rank(s) {sorted(set(range(self.size)) - self._joined)} "
                                       "did not call hvd.join().")
 
     def launched(self, submission: Submission) -> Any:
-        """What ``submission`` launched, once agreed; its error. Not agreed within the timeout, it is
-        declared overdue and the next cycle settles it on every rank alike (see :meth:`_stall`); a
-        timeout naming the missing ranks only if the negotiation does not answer at all."""
-        if not self._awaited(submission.future):
+        """What ``submission`` launched, once agreed; its error. Not agreed within the stall check's
+        time, a warning names the ranks that have not submitted it; not within the stall shutdown time
+        (the job's timeout by default), it is declared overdue and the next cycle settles it on every
+        rank alike (see :meth:`_stall`); a timeout naming the missing ranks only if the negotiation does
+        not answer at all."""
+        kind, name = submission.record["kind"], submission.key[1]
+        waited = 0.0
+        if self.stall_warning_s is not None and self.stall_warning_s < self.stall_s:
+            waited = self.stall_warning_s
+            if not self._awaited(submission.future, waited):
+                logger.warning(
+                    "rank %d has waited %gs for %s '%s': rank(s) %s have not submitted it yet. Every rank of the "
+                    "process set must submit it; it fails after %gs.", self.rank, waited, kind, name,
+                    self._missing(submission), self.stall_s)
+        if not self._awaited(submission.future, self.stall_s - waited):
             with self._lock:
                 self._overdue.append(submission)
                 self._ring()
-            self._awaited(submission.future)
+            self._awaited(submission.future, self.timeout_s)
         if submission.future.done():
             return submission.future.result()
-        kind, name = submission.record["kind"], submission.key[1]
-        missing = sorted(set(submission.record["ranks"]) - set(self._table.get(submission.key, {})))
         raise HorovodTimeoutError(
-            f"{kind} '{name}' on rank {self.rank}: rank(s) {missing} did not submit an operation of that name "
-            f"within {self.timeout_s:.0f}s. Every rank of the process set must submit it (names are matched "
-            "across ranks; an unnamed operation is named by its kind and how many of that kind the set had since "
-            "the last barrier, join or init).")
+            f"{kind} '{name}' on rank {self.rank}: rank(s) {self._missing(submission)} did not submit an operation "
+            f"of that name within {self.stall_s:.0f}s. Every rank of the process set must submit it (names are "
+            "matched across ranks; an unnamed operation is named by its kind and how many of that kind the set had "
+            "since the last barrier, join or init).")
 
-    def _awaited(self, future: concurrent.futures.Future) -> bool:
-        """Whether ``future`` completed within the job's timeout. Each second without, a cycle is
-        rung: a peer that died meanwhile fails it at once instead of after the timeout."""
-        deadline = time.monotonic() + self.timeout_s
+    def _missing(self, submission: Submission) -> list[int]:
+        """The ranks of ``submission``'s process set that this rank has not seen submit it."""
+        return sorted(set(submission.record["ranks"]) - set(self._table.get(submission.key, {})))
+
+    def _awaited(self, future: concurrent.futures.Future, seconds: float) -> bool:
+        """Whether ``future`` completed within ``seconds``. Each second without, a cycle is rung: a
+        peer that died meanwhile fails it at once instead of after the timeout."""
+        deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             try:
                 future.exception(timeout=min(LIVENESS_S, left))
@@ -232,9 +254,11 @@ class Negotiator:
             self._armed = ""
 
     def _serve(self) -> None:
-        pause = 0.0
+        pause, started = 0.0, -math.inf
         try:
             while True:
+                time.sleep(max(0.0, started + self.cycle_time_s - time.monotonic()))  # HOROVOD_CYCLE_TIME
+                started = time.monotonic()
                 moved = self._one_cycle()
                 if self._bell is not None:
                     self._idle(self._bell[0])
@@ -469,12 +493,13 @@ def _call(record: Record) -> dict[str, Any]:
 NEGOTIATOR: Attachment[Negotiator] = Attachment("horovod negotiation")
 
 
-def opened(set_scope: Callable[[int], collectives.Scope | None]) -> Negotiator:
+def opened(set_scope: Callable[[int], collectives.Scope | None], settings: Settings) -> Negotiator:
     """The current generation's negotiator, started where it has none yet (collective: every rank
-    calls it, at ``hvd.init`` and after an elastic reset). It lasts as long as the generation:
-    ``shutdown`` or a re-form closes it with the communicator, and every rank leaves."""
+    calls it, at ``hvd.init`` and after an elastic reset), with the cycle time and stall check of
+    ``settings``. It lasts as long as the generation: ``shutdown`` or a re-form closes it with the
+    communicator, and every rank leaves."""
     communicator = runtime.communicator()
-    return communicator.attached(NEGOTIATOR, lambda: Negotiator(communicator, set_scope))
+    return communicator.attached(NEGOTIATOR, lambda: Negotiator(communicator, set_scope, settings))
 
 
 def current() -> Negotiator:

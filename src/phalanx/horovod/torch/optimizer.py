@@ -36,8 +36,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     accumulates k backwards locally and reduces once; ``op`` is ``hvd.Average`` or ``hvd.Sum``;
     ``gradient_predivide_factor`` divides before the sum and multiplies after (Average only);
     ``groups`` (a number of groups, or lists of parameters) fixes which gradients travel together
-    instead of the engine's 25 MB buckets; ``sparse_as_dense`` averages sparse gradients densely and
-    hands them back sparse (so ``torch.optim.SparseAdam`` works).
+    instead of the engine's buckets (25 MB, or HOROVOD_FUSION_THRESHOLD bytes); ``sparse_as_dense``
+    averages sparse gradients densely and hands them back sparse (so ``torch.optim.SparseAdam`` works).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -62,8 +62,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.backward_passes_per_step = backward_passes_per_step
         self.process_set = process_set
+        threshold_mb = basics.settings().fusion_threshold_mb  # HOROVOD_FUSION_THRESHOLD, read at hvd.init
         self._settings = dict(op=op, predivide=gradient_predivide_factor, wire_dtype=compression.wire_dtype,
-                              groups=groups, sparse_as_dense=sparse_as_dense)
+                              groups=groups, sparse_as_dense=sparse_as_dense,
+                              threshold_mb=DEFAULT_FUSION_THRESHOLD_MB if threshold_mb is None else threshold_mb)
         self._named = named
         self._synchronized = False
         self._should_synchronize = True
@@ -87,7 +89,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             scope_of(self.process_set), set_size(self.process_set), settings["op"] == Average,
             settings["predivide"], settings["wire_dtype"], self.backward_passes_per_step,
             _groups(settings["groups"], params), settings["sparse_as_dense"], [name for name, _ in named])
-        self._reducer = GradientReducer(params, [name for name, _ in named], DEFAULT_FUSION_THRESHOLD_MB,
+        self._reducer = GradientReducer(params, [name for name, _ in named], settings["threshold_mb"],
                                         self._summation, schedule=self._summation.phase)
 
     @property

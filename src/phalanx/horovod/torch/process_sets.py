@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from typing import Sequence
 
 import torch.distributed as dist
@@ -24,9 +23,9 @@ import torch.distributed as dist
 from phalanx.comm import collectives, runtime
 from phalanx.comm.communicator import Attachment
 from phalanx.errors import ConfigurationError, NotInitializedError
+from phalanx.horovod.torch import variables
 
 logger = logging.getLogger(__name__)
-DYNAMIC_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 
 class ProcessSet:
@@ -151,17 +150,13 @@ def registry() -> Registry:
     return found
 
 
-def wants_dynamic(process_sets: Sequence[ProcessSet] | str | None) -> bool:
-    """Whether ``hvd.init(process_sets=...)`` or the environment (HOROVOD_DYNAMIC_PROCESS_SETS) lets sets
-    be added after init."""
-    return process_sets == "dynamic" or os.environ.get(DYNAMIC_ENV, "0") not in ("", "0")
-
-
 def allows_dynamic() -> bool:
     """Whether the current generation lets sets be added after init (what the next one keeps); before
     ``hvd.init``, what the environment says."""
     found = runtime.attachment(REGISTRY)
-    return found.dynamic if found is not None else wants_dynamic(None)
+    if found is not None:
+        return found.dynamic
+    return variables.read(runtime.launch_info().horovod_variables).dynamic_process_sets
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

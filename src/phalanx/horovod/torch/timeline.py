@@ -7,6 +7,7 @@ end of backward's wait), named after the operation, with the tensor's name, shap
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -22,7 +23,8 @@ _mark_cycles = False
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing the trace to ``file_path`` (rank 0; other ranks record nothing)."""
+    """Start writing the trace to ``file_path`` (rank 0; other ranks record nothing). It is finished
+    by ``stop_timeline``, ``hvd.shutdown`` or the process's exit, whichever comes first."""
     global _file, _events, _mark_cycles
     stop_timeline()
     if runtime.rank() != 0:
@@ -31,6 +33,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         _file = open(os.fspath(file_path), "w", encoding="utf-8")
         _file.write("[\n")
         _events, _mark_cycles = 0, mark_cycles
+    atexit.unregister(stop_timeline)  # registered once, however many timelines are started
+    atexit.register(stop_timeline)
 
 
 def stop_timeline() -> None:
