@@ -294,3 +294,54 @@ def _world_of_one() -> list:
 @pytest.mark.parametrize("n", [1])
 def test_a_world_of_one_agrees_at_once(n: int) -> None:
     assert run_workers(_world_of_one, n)[0] == [[1.0, 1.0]] * 3 + [0]
+
+
+def _each_rank_joins_first(only: str | None) -> list[dict]:
+    """Each rank in turn joins first while the others run an allreduce, an allgather, a broadcast or
+    a DistributedOptimizer step (their buckets do not go through the negotiation), then join; ``only``
+    one of those kinds where given."""
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = torch.nn.Linear(3, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+
+    step()  # every rank takes the first step (the engine agrees on its buckets there)
+    kinds = {"allreduce": lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist(),
+             "allgather": lambda: _raised(lambda: hvd.allgather(torch.ones(1))),
+             "broadcast": lambda: _raised(lambda: hvd.broadcast(torch.ones(1), root_rank=r)),
+             "step": step}
+    if only is not None:
+        kinds = {only: kinds[only]}
+    seen = []
+    for first in range(n):
+        for kind, run in kinds.items():
+            out = {"first": first, "kind": kind}
+            if r != first:
+                out["other"] = run()
+            out["last"] = hvd.join()
+            seen.append(out)
+    hvd.shutdown()
+    return seen
+
+
+@pytest.mark.parametrize("n, only, cycle_ms", [(2, None, "0"), (3, None, "0"), (2, "step", "300")])
+def test_join_returns_the_rank_that_joined_last_never_the_first(n: int, only: str | None, cycle_ms: str) -> None:
+    """Horovod documents join()'s value as the rank that joined last, the same on every rank. With
+    long cycles (HOROVOD_CYCLE_TIME), a rank that joins while the others step would otherwise reach
+    the negotiation in the same cycle as the rank its join let finish its step."""
+    results = run_workers(_each_rank_joins_first, n, only, env={"HOROVOD_CYCLE_TIME": cycle_ms}, timeout=60)
+    for r, seen in enumerate(results):
+        assert len(seen) == (1 if only else 4) * n
+        for out, at_rank_0 in zip(seen, results[0]):
+            assert out["last"] != out["first"] and out["last"] == at_rank_0["last"], (r, out)
+            if out["kind"] == "allreduce" and r != out["first"]:
+                assert out["other"] == [n - 1.0] * 2  # the joined rank added zeros
+            if out["kind"] in ("allgather", "broadcast") and r != out["first"]:
+                assert out["other"].startswith("HorovodMismatchError") and "have joined" in out["other"], out

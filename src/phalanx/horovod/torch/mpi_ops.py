@@ -15,6 +15,7 @@ once, on this rank only.
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -30,6 +31,7 @@ from phalanx.horovod.torch.exceptions import horovod_errors
 from phalanx.horovod.torch.process_sets import (
     ProcessSet, global_process_set, members, root_position, scope_of, set_size)
 
+logger = logging.getLogger(__name__)
 Finish = Callable[[Any], Any]
 
 
@@ -448,12 +450,15 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def join(device: int = -1) -> int:
     """This rank has run out of data: add zeros to the other ranks' allreduces (the optimizer's
     included) until every rank has joined; their other collectives raise on *their* ranks meanwhile.
-    Returns the rank that joined last. ``device`` is unused: the zeros are made on this worker's device."""
+    Returns the rank that joined last, the same on every rank: the negotiation's cycles order the joins
+    (the highest rank where several joined in the same cycle). ``device`` is unused: the zeros are made
+    on this worker's device."""
     basics.require_init()
     negotiator = negotiation.current()
     joined = negotiator.join(_stand_in)  # negotiated allreduces get zeros, the others fail
     with horovod_errors():
-        last = collectives.join()  # so do the collectives run outside it (DistributedOptimizer's buckets)
-    negotiator.all_joined(joined)
+        collectives.join()  # so do the collectives run outside it (DistributedOptimizer's buckets)
+    last = negotiator.all_joined(joined)
     _operations().unnamed.clear()  # every rank is here: unnamed operations the joined ones never made are forgotten
+    logger.debug("hvd.join() on rank %d: every rank has joined, rank %d last", runtime.rank(), last)
     return last

@@ -19,7 +19,10 @@ Every rank then holds the same table and reaches the same decisions in the same 
   each, who did not). As with Horovod's stall check, the verdict is the same everywhere: no rank later
   matches an operation that another rank has given up on (a barrier never passes on one rank and times
   out on another). Before that, a rank that has waited HOROVOD_STALL_CHECK_TIME_SECONDS (60 s) logs a
-  warning naming the ranks that have not submitted it, as Horovod's stall check does.
+  warning naming the ranks that have not submitted it, as Horovod's stall check does;
+- ``hvd.join()`` is told to every rank in a cycle before the joined rank goes on (see :meth:`Negotiator.join`),
+  so the cycles order the joins: the rank whose join completed the set is the last to join, the same on
+  every rank (the highest of those whose joins came in that one cycle).
 
 Each generation of the job has its own negotiator, kept on its communicator (:func:`opened`), whose
 end (``hvd.shutdown()``, an elastic re-form, the process's exit) closes it. Leaving is collective,
@@ -127,7 +130,8 @@ class Negotiator:
         self._mine: dict[Key, Submission] = {}  # submitted here, not settled yet
         self._table: dict[Key, dict[int, Record]] = {}  # the same on every rank, in order of first sight
         self._joined: set[int] = set()  # ranks inside hvd.join()
-        self._join: concurrent.futures.Future | None = None
+        self._join: concurrent.futures.Future | None = None  # every rank has joined: the last one
+        self._join_told: concurrent.futures.Future | None = None  # this rank's join went out in a cycle
         self._ended: PhalanxError | None = None
         self._thread: threading.Thread | None = None
         store = communicator.store if self.size > 1 and hasattr(communicator.store, "clone") else None
@@ -158,27 +162,39 @@ class Negotiator:
         return Negotiated(self, submission)
 
     def join(self, stand_in: Callable[[Record], Launch]) -> concurrent.futures.Future:
-        """Declare this rank joined; the future completes once every rank has. Meanwhile this rank
-        takes part in the others' allreduces with what ``stand_in`` launches for their records."""
+        """Declare this rank joined, and return once a cycle has told every rank so; the future
+        completes, with the rank that joined last, once every rank has. Meanwhile this rank takes part
+        in the others' allreduces with what ``stand_in`` launches for their records.
+
+        Returning only once the join went out orders the joins by cycle: whatever this rank does next
+        (``collectives.join()``, which answers the others' gradient buckets) happens after, so a rank
+        that gets past a collective thanks to this join joins in a later cycle than this one."""
         with self._lock:
             self.stand_in = stand_in
             future: concurrent.futures.Future = concurrent.futures.Future()
+            told: concurrent.futures.Future = concurrent.futures.Future()
             if self._thread is None:
-                future.set_result(None)
+                future.set_result(self.rank)
                 return future
             if self._ended is not None:
                 future.set_exception(self._ended)
                 return future
-            self._join, self._join_requested = future, True
+            self._join, self._join_told, self._join_requested = future, told, True
             self._ring()
+        if not self._awaited(told, self.timeout_s):
+            raise HorovodTimeoutError(f"hvd.join() on rank {self.rank}: the negotiation did not run a cycle within "
+                                      f"{self.timeout_s:.0f}s to tell the other ranks.")
+        told.result()  # the negotiation's error, if it ended meanwhile
         return future
 
-    def all_joined(self, joined: concurrent.futures.Future) -> None:
-        """Wait for :meth:`join`'s future: every rank has joined (or the negotiation's error)."""
+    def all_joined(self, joined: concurrent.futures.Future) -> int:
+        """Wait for :meth:`join`'s future: every rank has joined (or the negotiation's error). Returns
+        the rank whose join completed the set (the highest, where several came in that cycle)."""
         if not self._awaited(joined, self.timeout_s):
             raise HorovodTimeoutError(f"hvd.join() on rank {self.rank}: not every rank joined within "
                                       f"{self.timeout_s:.0f}s; rank(s) {sorted(set(range(self.size)) - self._joined)} "
                                       "did not call hvd.join().")
+        return int(joined.result())
 
     def launched(self, submission: Submission) -> Any:
         """What ``submission`` launched, once agreed; its error. Not agreed within the stall check's
@@ -319,11 +335,13 @@ class Negotiator:
                     self._exchange(codec.encode(message, safe=True) if message else NOTHING)]
         for rank, news in enumerate(received):
             self._take(rank, news)
+        if joining and self._join_told is not None:
+            self._join_told.set_result(None)
         if len(self._left) == self.size:
             raise _AllLeft()
         settled = self._settle_ready()  # first: an operation agreed in the cycle that declares it overdue runs
         stalled = self._stall([(set_id, name) for news in received for set_id, name in news.get("overdue", [])])
-        self._finish_join()
+        self._finish_join([rank for rank, news in enumerate(received) if news.get("join")])
         return settled or stalled or any(received)
 
     def _take(self, rank: int, message: dict[str, Any]) -> None:
@@ -416,7 +434,9 @@ class Negotiator:
             except Exception:  # noqa: BLE001 - the others see the failure in their own collective
                 logger.warning("rank %d could not take part with zeros in %s", self.rank, key[1], exc_info=True)
 
-    def _finish_join(self) -> None:
+    def _finish_join(self, joined_now: list[int]) -> None:
+        """Once every rank has joined (``joined_now`` completed the set in this cycle), wait for this
+        rank's zeros in flight and tell its ``join()`` the last rank to join: the highest of ``joined_now``."""
         if len(self._joined) < self.size:
             return
         self._joined.clear()
@@ -424,21 +444,23 @@ class Negotiator:
             work.wait()
         self._stand_ins.clear()
         with self._lock:
-            future, self._join = self._join, None
+            future, self._join, self._join_told = self._join, None, None
         if future is not None:
-            future.set_result(None)
+            future.set_result(max(joined_now))
 
     def _end(self, error: PhalanxError) -> None:
         with self._lock:
             self._ended = error
             waiting = [*self._mine.values(), *self._outbox]
             self._mine, self._outbox = {}, []
-            future, self._join = self._join, None
+            futures = [self._join, self._join_told]
+            self._join = self._join_told = None
         for submission in waiting:
             if not submission.future.done():
                 submission.future.set_exception(error)
-        if future is not None and not future.done():
-            future.set_exception(error)
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(error)
 
 
 def _rung(bell: Any, key: str) -> bool:
