@@ -104,6 +104,20 @@ def build_model(name: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+def timed_step(wrapped: Any, optimizer: Any, x: Any, y: Any) -> tuple[float, float]:
+    """One training step (zero_grad, forward, cross-entropy, backward, step); when forward and
+    backward ended (perf_counter)."""
+    import torch.nn.functional as F
+
+    optimizer.zero_grad()
+    loss = F.cross_entropy(wrapped(x), y)
+    forward_end = time.perf_counter()
+    loss.backward()
+    backward_end = time.perf_counter()
+    optimizer.step()
+    return forward_end, backward_end
+
+
 def _threshold(text: str) -> float | str:
     return "auto" if text == "auto" else float(text)
 
@@ -111,7 +125,6 @@ def _threshold(text: str) -> float | str:
 def worker_main(config_path: str) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import phalanx as px
 
@@ -160,14 +173,7 @@ def worker_main(config_path: str) -> None:
             variants[variant] = (wrapped, optimizer)
 
         def step(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-            """One training step; returns when forward and backward ended (perf_counter)."""
-            optimizer.zero_grad()
-            loss = F.cross_entropy(wrapped(x), y)
-            forward_end = time.perf_counter()
-            loss.backward()
-            backward_end = time.perf_counter()
-            optimizer.step()
-            return forward_end, backward_end
+            return timed_step(wrapped, optimizer, x, y)
 
         # "auto" tunes during its first steps: run them before measuring (same count on every rank).
         for variant, (wrapped, optimizer) in variants.items():
