@@ -24,12 +24,19 @@ SAMPLES, GLOBAL_BATCH, MICRO, EPOCHS = 240, 24, 2, 3  # 10 steps an epoch, 30 in
 
 
 class Progress:
-    def __init__(self, path: Path):
-        self.path = path
+    """Rank 0 writes the global step after every step; at a step of ``holds`` every worker waits for
+    the test's file (see tests/elastic/job.py's ``hold``: a joiner's arrival)."""
+
+    def __init__(self, path: Path, holds: dict[int, str] | None = None):
+        self.path, self.holds = path, holds or {}
 
     def on_step_end(self, step: int, logs: dict, state) -> None:
         if px.is_master():
             self.path.write_text(f"{state.global_step}\n")
+        if state.global_step in self.holds:  # once: a resume from a checkpoint passes the step again
+            from job import hold  # beside this script
+
+            hold(self.holds.pop(state.global_step), px.elastic.membership().generation)
 
 
 def digest(state: dict) -> str:
@@ -41,7 +48,7 @@ def digest(state: dict) -> str:
 
 
 def train(progress: Path | None = None, checkpoints: Path | None = None, level: int = 0,
-          shared_memory: bool | str = "auto") -> str:
+          shared_memory: bool | str = "auto", holds: dict[int, str] | None = None) -> str:
     """The job's training (``level`` > 0: under px.Sharded at that level); the digest of its weights."""
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
@@ -53,7 +60,7 @@ def train(progress: Path | None = None, checkpoints: Path | None = None, level: 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
            reproducible=True, micro_batch_size=MICRO, verbose=0, metrics=["accuracy"],
-           callbacks=[Progress(progress)] if progress else [], val_data=validation, checkpoint_dir=checkpoints,
+           callbacks=[Progress(progress, holds)] if progress else [], val_data=validation, checkpoint_dir=checkpoints,
            strategy=px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None)
     return digest(model.state_dict())
 
@@ -66,10 +73,16 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoints", type=Path)
     parser.add_argument("--level", type=int, default=0, help="train under px.Sharded(level=LEVEL)")
     parser.add_argument("--own-copies", action="store_true", help="px.Sharded(shared_memory=False)")
+    parser.add_argument("--hold", metavar="STEP:FILE", help="after global step STEP, wait for FILE (a joiner's)")
+    parser.add_argument("--started-file", help="written once started: 'join' when about to ask to join")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
-    (args.pids / f"{px.rank()}.pid").write_text(str(os.getpid()))
-    result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto")
+    joining = px.elastic.membership() is None if px.elastic.enabled() else False
+    (args.pids / (f"joiner-{os.getpid()}.pid" if joining else f"{px.rank()}.pid")).write_text(str(os.getpid()))
+    if args.started_file:
+        Path(args.started_file).write_text("join" if joining else "founder")
+    holds = {int(step): path for step, path in [args.hold.split(":", 1)]} if args.hold else None
+    result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto", holds)
     if px.is_master():
         torch.save({"digest": result}, args.out)

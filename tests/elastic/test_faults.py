@@ -22,7 +22,7 @@ import pytest
 from phalanx import faults
 from phalanx.errors import ConfigurationError
 from tests.elastic import fit_job
-from tests.elastic.launch import launched
+from tests.elastic.launch import free_port, launched
 
 # (faults, workers, min workers). Every moment, each with the worker most at risk there; to keep
 # the suite short every job loses two of its 3 workers: one early and one later, or one and then
@@ -116,8 +116,28 @@ def test_a_sharded_job_resumes_from_its_last_checkpoint_at_the_new_worker_count_
     job_args = ("--level", str(level), *(["--own-copies"] if own_copies else []))
     digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: spec}, job_args=job_args)
     assert launcher.count("was lost: signal SIGKILL") == len(spec.split(",")), launcher
-    assert f"px.Sharded(level={level}) keeps no copy of a lost worker's shards: resumed from" in launcher, launcher
+    assert re.search(rf"px.Sharded\(level={level}\) holds no copy of another worker's shards, so the new group of "
+                     r"[12] resumed from \S+checkpoint-0+\d+\.pt \(global step \d+\)", launcher), launcher
     assert digest == uninterrupted_sharded(level)
+
+
+def test_a_worker_that_joins_a_sharded_job_takes_its_shards_from_the_last_checkpoint(tmp_path: Path) -> None:
+    """Two founders hold after global step 12 until a third worker, started then, asks to join: the
+    three lay the units out for three, read the last checkpoint (epoch 0's) and finish bitwise."""
+    common = ["--nnodes", "1:2", "--master-port", str(free_port()), "--timeout", "40"]
+    job_args = ["--checkpoints", str(tmp_path / "checkpoints"), "--level", "2"]
+    joining = tmp_path / "joining"
+    with launched(tmp_path, ["-n", "2", *common], [*job_args, "--hold", f"12:{joining}"],
+                  job=Path(fit_job.__file__)) as job:
+        job.wait_for_step(12)
+        with launched(tmp_path, ["-n", "1", "--node-rank", "1", *common], [*job_args, "--started-file", str(joining)],
+                      job=Path(fit_job.__file__), name="node1") as joiner:
+            assert job.wait(timeout=150) == 0, job.output()
+            assert joiner.wait(timeout=60) == 0, joiner.output()
+    assert "joined member(s)" in job.stderr, job.output()
+    assert "px.Sharded(level=2) holds no copy of another worker's shards, so the new group of 3 resumed" \
+        in job.stderr, job.output()
+    assert job.result()["digest"] == uninterrupted_sharded(2)
 
 
 def test_a_fault_spec_that_names_no_moment_is_refused() -> None:

@@ -60,15 +60,15 @@ class ShardedReduction(Reduction):
     receives the sums of its chunk, written where its chunk lies in the bucket)."""
 
     def __init__(self, units: Sequence[Unit], params: Sequence[nn.Parameter], scatter: bool):
-        index = {id(p): i for i, p in enumerate(params)}
-        self.groups = [[index[id(p)] for p in unit.params] for unit in units]
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.relay(units, scatter)
+
+    def relay(self, units: Sequence[Unit], scatter: bool) -> None:
+        """Reduce into ``units`` (the same parameters, laid out for the current group)."""
+        self.groups = [[self.index[id(p)] for p in unit.params] for unit in units]
         self.units = list(units)
         self.scatter = scatter
         self.name = "reduce-scatter to shards" if scatter else "allreduce, sharded step"
-
-    def relay(self, units: Sequence[Unit], scatter: bool) -> None:
-        """The same parameters laid out again for a re-formed group (each rank's chunk moved)."""
-        self.units, self.scatter = list(units), scatter
 
     def bucket_groups(self, groups: list[list[int]], params: Sequence[torch.Tensor]) -> list[list[int]]:
         return [list(group) for group in self.groups]
@@ -453,6 +453,7 @@ class Sharded(Strategy):
     def committed(self, model: DataParallel, optimizer: OptimizerLike) -> dict[str, Stateful]:
         """An elastic job commits no shard in memory (no worker holds another's): only the layout,
         which a re-formed group cuts again before the last checkpoint on disk is read."""
+        assert isinstance(optimizer, ShardedOptimizer), "committed comes after setup"
         return {"layout": _Layout(self, model, optimizer)}
 
     def follow_group(self, model: DataParallel, optimizer: ShardedOptimizer) -> None:

@@ -381,8 +381,8 @@ def _resume_after_reform(run: FitRun) -> None:
         raise CheckpointError(
             f"{run.strategy.name} lost a worker's state, which no other worker holds, and {run.checkpoint_dir} has "
             "no checkpoint to resume from (was it emptied during the run?); start the job again.")
-    message = (f"phalanx elastic: {run.strategy.name} keeps no copy of a lost worker's shards: resumed from {path} "
-               f"(global step {run.state.global_step}) at {runtime.size()} worker(s)")
+    message = (f"phalanx elastic: {run.strategy.name} holds no copy of another worker's shards, so the new group of "
+               f"{runtime.size()} resumed from {path} (global step {run.state.global_step})")
     logger.warning(message)
     if runtime.is_master():
         print(message, file=sys.stderr, flush=True)
