@@ -158,7 +158,7 @@ class Coordinator:
 
     def _reconnect(self) -> None:
         with self._lock, contextlib.suppress(RuntimeError, OSError):
-            self.store = self.store.clone()
+            self.store = self.store.clone()  # within the store's own timeout: the loop retries until the heartbeat timeout
             self.statements = Statements(self.store, self.secret, share=True)
 
     def busy(self) -> bool:

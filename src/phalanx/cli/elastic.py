@@ -26,6 +26,7 @@ from phalanx.cli.coordinator import Coordinator, CoordinatorConfig
 from phalanx.cli.launcher import TAIL_WAIT_S, Supervisor
 from phalanx.cli.network import DEFAULT_STORE_TIMEOUT_S, POLL_INTERVAL_S
 from phalanx.cli.workers import LaunchResult, Worker, WorkerFailure, describe_exit, error_line
+from phalanx.comm.connections import own_connection
 from phalanx.comm.environment import MEMBER_ENV
 from phalanx.comm.membership import START_TIMEOUT_S, Keys, Statements
 
@@ -58,7 +59,7 @@ class ElasticSupervisor(Supervisor):
     def start_workers(self, master_port: int) -> None:
         if self.config.hosts_store:
             config = self.config
-            self.coordinator = Coordinator(self.store.clone(), self.secret, CoordinatorConfig(
+            self.coordinator = Coordinator(own_connection(self.store), self.secret, CoordinatorConfig(
                 min_workers=config.min_world_size, max_workers=config.world_size,
                 heartbeat_timeout_s=config.effective_heartbeat_timeout_s,
                 rendezvous_timeout_s=config.timeout_s or DEFAULT_STORE_TIMEOUT_S,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import auth
+from phalanx.comm.connections import own_connection
 from phalanx.comm.sealed_store import sealing
 from phalanx.errors import CollectiveTimeoutError
 
@@ -104,11 +105,6 @@ def connect(store: Any, server: int, worker: int, timeout_s: float) -> Channel:
 
 def _secret() -> auth.JobSecret:
     return auth.required("a parameter server or its worker", "launch with phalanx run --servers")
-
-
-def own_connection(store: Any) -> Any:
-    """A connection to ``store`` of this thread's own (a TCPStore client is not shared between threads)."""
-    return store.clone() if hasattr(store, "clone") else store
 
 
 class Listener:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from phalanx import faults
 from phalanx.comm import shm
 from phalanx.comm.communicator import Communicator, created_by_first
+from phalanx.comm.connections import own_connection
 from phalanx.comm.environment import LaunchInfo
 from phalanx.comm.membership import (START_TIMEOUT_S, ElasticClient, Membership, MembershipClosed, socket_inodes,
                                      sockets_since)
@@ -252,7 +253,7 @@ def _communicator_for_answer(client: ElasticClient, answer: dict[str, Any], info
     if generation > 0:
         faults.point("reform.connect")
     client.track(generation, {}, forming_since=socket_inodes())
-    forming = store.clone()  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
+    forming = own_connection(store)  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
     made = create_group(placed, timeout_s, backend, device, keys=keys, store=store, generation=generation,
                         transport=transport, rendezvous=forming)
     client.track(generation, made.sockets if backend == "gloo" else {})

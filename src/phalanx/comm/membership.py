@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from phalanx import faults
 from phalanx.comm import auth
+from phalanx.comm.connections import own_connection
 from phalanx.errors import AuthenticationError, CollectiveTimeoutError, WorkerFailedError
 
 HEARTBEAT_INTERVAL_S = 0.25
@@ -83,7 +84,7 @@ class Statements:
 
     def __init__(self, store: Any, secret: auth.JobSecret, share: bool = False,
                  on_forged: Callable[[str], None] | None = None):
-        self.store, self.secret = (store if share else store.clone()), secret
+        self.store, self.secret = (store if share else own_connection(store)), secret
         if not share:  # a shared store keeps its owner's timeout
             self.store.set_timeout(datetime.timedelta(seconds=STATEMENT_READ_TIMEOUT_S))
         self._warned: set[str] = set()

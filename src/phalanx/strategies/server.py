@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from phalanx.comm import auth, runtime
-from phalanx.comm.channel import Channel, ChannelClosed, Listener, own_connection
+from phalanx.comm.channel import Channel, ChannelClosed, Listener
+from phalanx.comm.connections import own_connection
 from phalanx.comm.sealed_store import SealedStore
 from phalanx.errors import AuthenticationError, CollectiveTimeoutError
 from phalanx.parallel.clipping import Clipping

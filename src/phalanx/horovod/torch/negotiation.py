@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from phalanx.comm import agreement, codec, collectives, runtime
 from phalanx.comm.communicator import Attachment, Communicator
+from phalanx.comm.connections import own_connection
 from phalanx.errors import PhalanxError
 from phalanx.horovod.torch.exceptions import HorovodInternalError, HorovodMismatchError, HorovodTimeoutError
 from phalanx.horovod.torch.process_sets import new_scope
@@ -136,7 +137,7 @@ class Negotiator:
         self._thread: threading.Thread | None = None
         store = communicator.store if self.size > 1 and hasattr(communicator.store, "clone") else None
         # The doorbell: one store connection for the thread's waits, one for the callers' rings.
-        self._bell = (store.clone(), store.clone()) if store is not None else None
+        self._bell = (own_connection(store), own_connection(store)) if store is not None else None
         self._bell_prefix, self._bells, self._armed = f"{communicator.prefix}horovod/bell/", 0, ""
         if self.size > 1:  # alone, every operation is agreed as it is submitted
             self._control = dist.new_group(list(range(self.size)), backend="gloo",
