@@ -82,21 +82,29 @@ def test_each_level_trains_as_data_parallel(world_size: int, level: int, options
     assert unsharded["history"]["accuracy"][-1] > 0.6
 
 
-def _every_level(options: dict[str, Any], unsharded: bool) -> dict[int, dict[str, torch.Tensor]]:
-    return {level: _fit(level, **options)["weights"] for level in ((0,) if unsharded else ()) + (1, 2, 3)}
+def _every_level(options: dict[str, Any], unsharded: bool, own_copies: bool) -> dict[Any, dict[str, torch.Tensor]]:
+    """Weights after training at each level (0 too where ``unsharded``; with ``own_copies`` also each
+    level with every worker its own copy of the units, keyed ``(level, "own copies")``)."""
+    weights: dict[Any, dict[str, torch.Tensor]] = {
+        level: _fit(level, **options)["weights"] for level in ((0,) if unsharded else ()) + (1, 2, 3)}
+    if own_copies:
+        weights.update({(level, "own copies"): _fit(level, shared_memory=False, **options)["weights"]
+                        for level in (1, 2, 3)})
+    return weights
 
 
 def test_reproducible_mode_gives_the_same_bits_for_any_worker_count_at_every_level() -> None:
     """Ranks run different numbers of micro-batches (the short batch of 20 is 4 of them)."""
     options = {"reproducible": True, "micro_batch_size": 5, "clip_grad_norm": 0.05, "epochs": 1}
-    runs = {world: run_workers(_every_level, world, options, world == 2, timeout=150) for world in (1, 2, 3, 4)}
-    runs["4, each its copy"] = run_workers(_every_level, 4, {**options, "shared_memory": False}, False, timeout=150)
+    runs = {world: run_workers(_every_level, world, options, world == 2, world == 4, timeout=180)
+            for world in (1, 2, 3, 4)}
     reference = runs[1][0][1]
     for world, results in runs.items():
         for result in results:
-            for level in (1, 2, 3):
+            for level in [key for key in result if key != 0]:
                 for name, value in reference.items():
                     assert torch.equal(result[level][name], value), (world, level, name)
+    assert all((3, "own copies") in result for result in runs[4])
     for name, value in runs[2][0][0].items():  # unsharded reproducible training
         torch.testing.assert_close(reference[name], value, rtol=1e-6, atol=1e-7)
 
@@ -294,12 +302,12 @@ def test_an_elementwise_optimizer_of_your_own_is_stepped_once_named() -> None:
 assert SAMPLES % GLOBAL_BATCH, "the data must end on a short batch"
 
 
-def _compiled(level: int) -> dict[str, Any]:
+def _compiled(level: int, shared_memory: bool | str = "auto") -> dict[str, Any]:
     model, (x, y) = _model(), _dataset()
     optimizer = _adam(model)
     try:
-        model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001).setup(torch.compile(model, backend="eager"),
-                                                                                 optimizer)
+        model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory).setup(
+            torch.compile(model, backend="eager"), optimizer)
     except px.ConfigurationError as refused:
         return {"refused": str(refused)}
     for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
@@ -309,12 +317,17 @@ def _compiled(level: int) -> dict[str, Any]:
     return {"weights": _weights(model.module._orig_mod)}
 
 
-def test_torch_compile_trains_at_level_2_and_is_refused_at_level_3() -> None:
-    reference = run_workers(_hand_loop, 2, 0)[0]
-    for result in run_workers(_compiled, 2, 2, timeout=150):
+def _unsharded_compiled_and_refused() -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """The hand loop unsharded, then compiled at level 2, then compiled at level 3 with each worker its
+    own copy of the units, as between hosts (refused: its blocks are freed and gathered by hooks)."""
+    return _hand_loop(0), _compiled(2), _compiled(3, shared_memory=False)
+
+
+def test_torch_compile_trains_at_level_2_and_is_refused_at_level_3_between_hosts() -> None:
+    for reference, compiled, refused in run_workers(_unsharded_compiled_and_refused, 2, timeout=150):
         for name, value in reference.items():
-            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
-    assert "level 3 frees and gathers" in run_workers(_compiled, 1, 3)[0]["refused"]
+            torch.testing.assert_close(compiled["weights"][name], value, rtol=1e-5, atol=1e-6)
+        assert "level 3 frees and gathers" in refused["refused"]
 
 
 def _within_memory(level: int) -> dict[str, Any]:
@@ -328,14 +341,18 @@ def _within_memory(level: int) -> dict[str, Any]:
     return {"trained": result["history"]["loss"][-1]}
 
 
+def _within_memory_at_levels(levels: tuple[int, ...]) -> list[dict[str, Any]]:
+    return [_within_memory(level) for level in levels]
+
+
 def test_a_run_over_its_memory_limit_is_refused_naming_the_need_and_the_level_that_fits() -> None:
     """Unsharded Adam (16 B a parameter) and level 2 are over the limit; level 3 trains under it."""
-    unsharded, level_2 = run_workers(_within_memory, 2, 0)[0], run_workers(_within_memory, 2, 2)[0]
-    assert "px.DataParallel needs about" in unsharded["refused"]
-    assert "strategy=px.Sharded(level=3) holds" in unsharded["refused"]
-    assert "Adam's state of 931 parameters" in unsharded["refused"]
-    assert "px.Sharded(level=2) needs about" in level_2["refused"]
-    assert all("trained" in worker for worker in run_workers(_within_memory, 2, 3))
+    for unsharded, level_2, level_3 in run_workers(_within_memory_at_levels, 2, (0, 2, 3)):
+        assert "px.DataParallel needs about" in unsharded["refused"]
+        assert "strategy=px.Sharded(level=3) holds" in unsharded["refused"]
+        assert "Adam's state of 931 parameters" in unsharded["refused"]
+        assert "px.Sharded(level=2) needs about" in level_2["refused"]
+        assert "trained" in level_3, level_3
 
 
 def test_the_memory_each_level_holds_is_the_parameters_gradients_and_state_it_keeps() -> None:
