@@ -43,6 +43,7 @@ _MODULES = {  # public module -> the names it gives px
     "phalanx.parallel.data_parallel": ("DataParallel",),
     "phalanx.parallel.exact": ("ExactGradients",),
     "phalanx.strategies.central_storage": ("CentralStorage",),
+    "phalanx.strategies.local_sgd": ("DiLoCo", "LocalSGD"),
     "phalanx.strategies.parameter_server": ("ParameterServer",),
     "phalanx.strategies.sharded": ("Sharded",),
     "phalanx.train.checkpoint": ("checkpoint_weights",),
