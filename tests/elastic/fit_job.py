@@ -4,7 +4,8 @@ Run by ``phalanx run`` (elastic) or as a plain process (the uninterrupted refere
 its pid to ``--pids``, rank 0 writes the global step to ``--progress`` after every step, and at
 the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``. With
 ``--checkpoints`` it also validates every epoch and writes checkpoints there (neither changes the
-weights, so the reference is the same); ``--level L`` trains under ``px.Sharded(level=L)``.
+weights, so the reference is the same); ``--level L`` trains under ``px.Sharded(level=L)``,
+``--diloco`` under streaming ``px.DiLoCo`` (outside reproducible mode, which it refuses).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def digest(state: dict) -> str:
 
 
 def train(progress: Path | None = None, checkpoints: Path | None = None, level: int = 0,
-          shared_memory: bool | str = "auto", holds: dict[int, str] | None = None) -> str:
-    """The job's training (``level`` > 0: under px.Sharded at that level); the digest of its weights."""
+          shared_memory: bool | str = "auto", holds: dict[int, str] | None = None, diloco: bool = False) -> str:
+    """The job's training (``level`` > 0: under px.Sharded at that level; ``diloco``: under
+    px.DiLoCo(period=4, fragments=2)); the digest of its weights."""
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
@@ -58,10 +60,12 @@ def train(progress: Path | None = None, checkpoints: Path | None = None, level: 
     model = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
                           nn.Dropout(0.2), nn.Linear(6 * 8 * 8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    strategy = (px.DiLoCo(period=4, fragments=2) if diloco else
+                px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None)
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
-           reproducible=True, micro_batch_size=MICRO, verbose=0, metrics=["accuracy"],
+           reproducible=not diloco, micro_batch_size=None if diloco else MICRO, verbose=0, metrics=["accuracy"],
            callbacks=[Progress(progress, holds)] if progress else [], val_data=validation, checkpoint_dir=checkpoints,
-           strategy=px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None)
+           strategy=strategy)
     return digest(model.state_dict())
 
 
@@ -73,6 +77,7 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoints", type=Path)
     parser.add_argument("--level", type=int, default=0, help="train under px.Sharded(level=LEVEL)")
     parser.add_argument("--own-copies", action="store_true", help="px.Sharded(shared_memory=False)")
+    parser.add_argument("--diloco", action="store_true", help="train under px.DiLoCo(period=4, fragments=2)")
     parser.add_argument("--hold", metavar="STEP:FILE", help="after global step STEP, wait for FILE (a joiner's)")
     parser.add_argument("--started-file", help="written once started: 'join' when about to ask to join")
     args = parser.parse_args()
@@ -83,6 +88,7 @@ if __name__ == "__main__":
     if args.started_file:
         Path(args.started_file).write_text("join" if joining else "founder")
     holds = {int(step): path for step, path in [args.hold.split(":", 1)]} if args.hold else None
-    result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto", holds)
+    result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto", holds,
+                   args.diloco)
     if px.is_master():
         torch.save({"digest": result}, args.out)
