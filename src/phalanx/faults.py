@@ -35,6 +35,7 @@ MOMENTS = (
     "step.forward",     # a training step, before its forward pass
     "step.reduce",      # a training step's gradient buckets in flight, before waiting for them
     "step.end",         # a training step done, before its commit
+    "commit.copies",    # px.Sharded copying a rank's chunks into host memory at a commit, half done
     "validation",       # px.fit's validation pass, before its first batch
     "checkpoint.write", # rank 0 writing a checkpoint file
     "epoch.end",        # an epoch's callbacks done, before its commit

@@ -49,7 +49,8 @@ def digest(state: dict) -> str:
 
 
 def train(progress: Path | None = None, checkpoints: Path | None = None, level: int = 0,
-          shared_memory: bool | str = "auto", holds: dict[int, str] | None = None, diloco: bool = False) -> str:
+          shared_memory: bool | str = "auto", holds: dict[int, str] | None = None, diloco: bool = False,
+          copies: bool | str = "auto") -> str:
     """The job's training (``level`` > 0: under px.Sharded at that level; ``diloco``: under
     px.DiLoCo(period=4, fragments=2)); the digest of its weights."""
     generator = torch.Generator().manual_seed(5)
@@ -61,7 +62,8 @@ def train(progress: Path | None = None, checkpoints: Path | None = None, level: 
                           nn.Dropout(0.2), nn.Linear(6 * 8 * 8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     strategy = (px.DiLoCo(period=4, fragments=2) if diloco else
-                px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None)
+                px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory, copies=copies)
+                if level else None)
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
            reproducible=not diloco, micro_batch_size=None if diloco else MICRO, verbose=0, metrics=["accuracy"],
            callbacks=[Progress(progress, holds)] if progress else [], val_data=validation, checkpoint_dir=checkpoints,
@@ -77,6 +79,7 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoints", type=Path)
     parser.add_argument("--level", type=int, default=0, help="train under px.Sharded(level=LEVEL)")
     parser.add_argument("--own-copies", action="store_true", help="px.Sharded(shared_memory=False)")
+    parser.add_argument("--no-shard-copies", action="store_true", help="px.Sharded(copies=False)")
     parser.add_argument("--diloco", action="store_true", help="train under px.DiLoCo(period=4, fragments=2)")
     parser.add_argument("--hold", metavar="STEP:FILE", help="after global step STEP, wait for FILE (a joiner's)")
     parser.add_argument("--started-file", help="written once started: 'join' when about to ask to join")
@@ -89,6 +92,6 @@ if __name__ == "__main__":
         Path(args.started_file).write_text("join" if joining else "founder")
     holds = {int(step): path for step, path in [args.hold.split(":", 1)]} if args.hold else None
     result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto", holds,
-                   args.diloco)
+                   args.diloco, False if args.no_shard_copies else "auto")
     if px.is_master():
         torch.save({"digest": result}, args.out)

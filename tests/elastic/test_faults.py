@@ -46,10 +46,10 @@ def uninterrupted() -> str:
 
 
 def run_job(tmp_path: Path, workers: int, min_workers: int, env: dict[str, str] | None = None,
-            kill_after: float | None = None, job_args: tuple[str, ...] = ()) -> tuple[str, str]:
-    """Run the job to its end; its digest and the launcher's output."""
+            kill_after: float | None = None, job_args: tuple[str, ...] = (), checkpoints: bool = True) -> tuple[str, str]:
+    """Run the job to its end (writing checkpoints unless told not to); its digest and the launcher's output."""
     args = ["-n", str(workers), "--min-workers", str(min_workers), "--timeout", "40"]
-    with launched(tmp_path, args, ["--checkpoints", str(tmp_path / "checkpoints"), *job_args],
+    with launched(tmp_path, args, [*(["--checkpoints", str(tmp_path / "checkpoints")] if checkpoints else []), *job_args],
                   job=Path(fit_job.__file__), env=env) as job:
         if kill_after is not None:
             _kill_one_after(job, workers, kill_after)
@@ -82,7 +82,7 @@ def test_a_worker_lost_at_this_moment_is_survived_bitwise(tmp_path: Path, spec: 
 
 
 def test_the_cases_cover_every_moment() -> None:
-    named = {entry.split("@")[0] for spec, _, _ in CASES for entry in spec.split(",")}
+    named = {entry.split("@")[0] for spec, _, _ in CASES + SHARDED_CASES for entry in spec.split(",")}
     assert named == set(faults.MOMENTS)
 
 
@@ -97,35 +97,64 @@ def uninterrupted_sharded(level: int) -> str:
     return fit_job.train(level=level)
 
 
-# (faults, level, own copies): a death before the first epoch's checkpoint (the job resumes from the
-# one written before its first step), one in the second epoch, and one during the re-form that follows.
+# (faults, level, own copies of the units): every moment at every level across the cases, in jobs of 4
+# workers that lose 3 (one early, one mid-run, one while the survivors re-form or commit), with no
+# checkpoint folder: every recovery rebuilds the lost shards from the copies in host memory.
 SHARDED_CASES = [
-    ("step.end@1#5", 1, False),
-    ("step.reduce@2#14", 2, False),
-    ("step.forward@1#13,reform.connect@2", 3, False),
-    ("step.end@2#15", 3, True),                  # level 3 gathering its blocks, as between hosts
+    ("init.group@1,step.forward@2#7,commit.copies@3#12", 1, False),
+    ("fit.setup@1,step.reduce@2#9,reform.connect@3", 1, False),
+    ("step.end@1#4,epoch.end@2,reform.group@3", 1, True),
+    ("init.done@2,step.end@1#13,reform.request@3", 1, False),
+    ("init.done@2,step.end@1#13,commit.copies@3#4", 2, False),
+    ("fit.setup@3,step.forward@1#15,reform.request@2", 2, True),
+    ("state.sync@0#2,step.reduce@2#11,epoch.end@1#2", 2, False),
+    ("init.group@2,reform.group@1,reform.connect@3", 2, False),
+    ("init.group@3,step.reduce@1#6,reform.group@2", 3, False),
+    ("fit.setup@2,epoch.end@1,commit.copies@3#9", 3, True),
+    ("step.end@3#8,step.forward@1#18,reform.connect@2", 3, False),
+    ("init.done@1,step.reduce@2#10,reform.request@3", 3, False),
 ]
 
 
 @pytest.mark.parametrize("spec,level,own_copies", SHARDED_CASES, ids=[f"{c[0]}-level{c[1]}" for c in SHARDED_CASES])
-def test_a_sharded_job_resumes_from_its_last_checkpoint_at_the_new_worker_count_bitwise(
+def test_a_sharded_job_rebuilds_lost_shards_from_the_copies_in_memory_bitwise(
         tmp_path: Path, spec: str, level: int, own_copies: bool) -> None:
-    """No worker holds a copy of another's shards (the next issue's): the survivors re-form, lay the
-    units out for their number, read the last checkpoint on disk and say so; reproducible mode makes
-    the result the uninterrupted run's, bit for bit."""
+    """Each rank's chunks are copied into host memory at every commit: the survivors re-form, lay
+    the units out for their number and rebuild every chunk from the copies, the dead workers' too,
+    with no checkpoint on disk; reproducible mode makes the result the uninterrupted run's."""
     job_args = ("--level", str(level), *(["--own-copies"] if own_copies else []))
-    digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: spec}, job_args=job_args)
+    digest, launcher = run_job(tmp_path, 4, 1, env={faults.ENV: spec}, job_args=job_args, checkpoints=False)
     assert launcher.count("was lost: signal SIGKILL") == len(spec.split(",")), launcher
-    assert re.search(rf"px.Sharded\(level={level}\) holds no copy of another worker's shards, so the new group of "
-                     r"[12] resumed from \S+checkpoint-0+\d+\.pt \(global step \d+\)", launcher), launcher
+    assert "resumed from" not in launcher, launcher
     assert digest == uninterrupted_sharded(level)
 
 
-def test_a_worker_that_joins_a_sharded_job_takes_its_shards_from_the_last_checkpoint(tmp_path: Path) -> None:
+def test_the_sharded_cases_cover_every_moment_at_every_level() -> None:
+    covered = {(entry.split("@")[0], level) for spec, level, _ in SHARDED_CASES for entry in spec.split(",")}
+    moments = {"init.group", "init.done", "fit.setup", "step.forward", "step.reduce", "step.end", "epoch.end",
+               "commit.copies", "reform.request", "reform.group", "reform.connect"}
+    assert {(moment, level) for moment in moments for level in (1, 2, 3)} - covered == set()
+
+
+def test_a_sharded_job_without_copies_resumes_from_its_last_checkpoint_at_the_new_worker_count_bitwise(
+        tmp_path: Path) -> None:
+    """copies=False: the survivors lay the units out for their number, read the last checkpoint on
+    disk (the one written before the first step; then, after rank 0 died writing the first epoch's,
+    that one still) and say so."""
+    job_args = ("--level", "2", "--no-shard-copies")
+    digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: "step.end@1#5,checkpoint.write@0#2"}, job_args=job_args)
+    assert launcher.count("was lost: signal SIGKILL") == 2, launcher
+    assert re.search(r"px.Sharded\(level=2\) holds no copy of another worker's shards \(copies=False, or workers on "
+                     r"several hosts\), so the new group of [12] resumed from \S+checkpoint-0+\d+\.pt", launcher), launcher
+    assert digest == uninterrupted_sharded(2)
+
+
+def test_a_worker_that_joins_a_sharded_job_takes_its_shards_from_the_copies(tmp_path: Path) -> None:
     """Two founders hold after global step 12 until a third worker, started then, asks to join: the
-    three lay the units out for three, read the last checkpoint (epoch 0's) and finish bitwise."""
+    three lay the units out for three, take every chunk from the founders' copies (no checkpoint
+    folder) and finish bitwise."""
     common = ["--nnodes", "1:2", "--master-port", str(free_port()), "--timeout", "40"]
-    job_args = ["--checkpoints", str(tmp_path / "checkpoints"), "--level", "2"]
+    job_args = ["--level", "2"]
     joining = tmp_path / "joining"
     with launched(tmp_path, ["-n", "2", *common], [*job_args, "--hold", f"12:{joining}"],
                   job=Path(fit_job.__file__)) as job:
@@ -134,9 +163,7 @@ def test_a_worker_that_joins_a_sharded_job_takes_its_shards_from_the_last_checkp
                       job=Path(fit_job.__file__), name="node1") as joiner:
             assert job.wait(timeout=150) == 0, job.output()
             assert joiner.wait(timeout=60) == 0, joiner.output()
-    assert "joined member(s)" in job.stderr, job.output()
-    assert "px.Sharded(level=2) holds no copy of another worker's shards, so the new group of 3 resumed" \
-        in job.stderr, job.output()
+    assert "joined member(s)" in job.stderr and "resumed from" not in job.stderr, job.output()
     assert job.result()["digest"] == uninterrupted_sharded(2)
 
 

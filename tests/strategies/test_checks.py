@@ -22,7 +22,8 @@ REFUSED = [
     (px.ParameterServer("async"), FitOptions(torch_scheduler=True), r"mode='async'\) with a torch lr scheduler"),
     (px.CentralStorage(), FitOptions(manual_step=True), r"CentralStorage with a step_fn that steps its own"),
     (px.ParameterServer(), FitOptions(manual_step=True), r"with a step_fn that steps its own optimizers"),
-    (px.Sharded(level=2), FitOptions(elastic=True), r"px.Sharded\(level=2\) with an elastic job without checkpoint_dir"),
+    (px.Sharded(level=2, copies=False), FitOptions(elastic=True),
+     r"px.Sharded\(level=2\) with an elastic job without checkpoint_dir.*copies=False"),
 ]
 ACCEPTED = [
     (Replicated(), FitOptions(precision="16-mixed", clipping=NORM, reproducible=True, several_optimizers=True,
@@ -33,6 +34,7 @@ ACCEPTED = [
     (px.ParameterServer("async"), FitOptions(clipping=NORM)),
     (px.Sharded(level=3), FitOptions(precision="bf16-mixed", clipping=NORM, reproducible=True, torch_scheduler=True,
                                      elastic=True, checkpoint_dir="runs", checkpoint_every=5)),
+    (px.Sharded(level=2), FitOptions(elastic=True)),  # the shards' copies in host memory: no disk needed
 ]
 
 

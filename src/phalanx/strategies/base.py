@@ -99,6 +99,9 @@ class Strategy(Protocol):
     #: Whether a re-formed elastic group reads the last checkpoint on disk (the committed objects
     #: hold no copy of a lost worker's state) rather than going on from the last commit in memory.
     resumes_from_disk: bool = False
+    #: Whether the State's commit holds the whole training state (then a survivor left below the
+    #: minimum of workers may save it as a checkpoint to resume from).
+    commits_whole_state: bool = True
 
     @property
     def name(self) -> str:
@@ -130,6 +133,11 @@ class Strategy(Protocol):
         """What an elastic commit copies of the model and optimizer ``setup`` returned (every worker
         holds them; the loop adds its position, the data and the schedules)."""
         return {"model": model, "optimizer": optimizer}
+
+    def must_resume_from_disk(self) -> str | None:
+        """After a re-formed elastic group restored the last commit: why it must also read the last
+        checkpoint on disk (said in the log), or ``None`` when the commit holds everything."""
+        return f"{self.name} holds no copy of another worker's state" if self.resumes_from_disk else None
 
     def memory_needed(self, model: nn.Module, optimizer: OptimizerLike) -> int:
         """Bytes a worker holds for parameters, gradients and optimizer state under this strategy

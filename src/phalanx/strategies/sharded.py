@@ -43,7 +43,7 @@ from phalanx.parallel.reductions import Reduction
 from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strategy, held_bytes, refuse,
                                      refuse_parameter_servers_launched, wrap)
 from phalanx.strategies.held import HeldOptimizer
-from phalanx.strategies import host_memory
+from phalanx.strategies import host_memory, shard_copies
 from phalanx.strategies.gathering import Gathering, cut
 from phalanx.strategies.shard_layout import Unit, check_stepped, lay_out
 
@@ -298,21 +298,63 @@ class ShardedOptimizer(HeldOptimizer):
         return {id(param): name for name, param in self.model.module.named_parameters()}
 
 
-class _Layout:
-    """What an elastic job commits of a sharded model: no state, but told of every new group (see
-    :meth:`Sharded.follow_group`)."""
+class _Committed:
+    """What an elastic job commits of a sharded model, and how a re-formed group gets it back.
+
+    Each commit copies this rank's chunks into host memory (:mod:`~phalanx.strategies.shard_copies`,
+    when the strategy keeps copies) and hands the State the rest, which every rank holds alike: the
+    optimizer's hyperparameters and the model's buffers. After a re-form the units are laid out
+    again for the new group (``reshard``) and every rank's new chunks rebuilt from the copies.
+    """
 
     def __init__(self, strategy: Sharded, model: DataParallel, optimizer: ShardedOptimizer):
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.version = 0
+        self.started = False  # the State's first snapshot, taken before the group agreed, copies nothing
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        copies = self.strategy.copies
+        version: int | None = None
+        if self.started:
+            version = 0
+            if copies is not None and shard_copies.possible():
+                self.version = version = self.version + 1
+                copies.commit(version, self.optimizer.units, self.optimizer.stepping.state, self._positions())
+        return {"copies": version, "hyperparameters": self.optimizer.hyperparameters(),
+                "buffers": dict(self.model.module.named_buffers())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load: the shards come from the last checkpoint on disk."""
+        """``copies`` None: nothing committed yet, the state set up stands; 0: no copies kept (the
+        group reads the last checkpoint); a version: every rank's chunks rebuilt from the copies."""
+        self.started = True
+        version = state_dict["copies"]
+        self.strategy.lost = None
+        if version is None:
+            return
+        if version == 0:
+            self.strategy.lost = (f"{self.strategy.name} holds no copy of another worker's shards (copies=False, or "
+                                  "workers on several hosts)")
+            return
+        optimizer = self.optimizer
+        optimizer.load_state_dict({**state_dict["hyperparameters"], "state": {}})
+        assert self.strategy.copies is not None, "copies are kept wherever a commit made them"
+        if not shard_copies.rebuild(self.strategy.copies, version, optimizer.units, optimizer.stepping.state,
+                                    self._positions()):
+            self.strategy.lost = (f"{self.strategy.name} lost the copies of commit {version} with the workers that "
+                                  "held them")
+            return
+        self.version = version
+        with torch.no_grad():
+            for name, buffer in self.model.module.named_buffers():
+                buffer.copy_(state_dict["buffers"][name])
+        optimizer._share_loaded_weights()
 
     def reshard(self, rank: int, world_size: int) -> None:
         self.strategy.follow_group(self.model, self.optimizer)
+
+    def _positions(self) -> dict[int, int]:
+        """Each parameter's position among the model's (the same in every process)."""
+        return {id(param): position for position, param in enumerate(self.model.module.parameters())}
 
 
 def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str]) -> dict[str, Any]:
@@ -367,12 +409,16 @@ class Sharded(Strategy):
     ``"auto"`` keeps the units once per host in shared memory when every worker is on this host and
     reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
     and level 3 has nothing to gather); ``False`` gives each worker its copy (levels 1-2, kept equal by
-    all-gathers) or its chunks (level 3, gathered per block).
+    all-gathers) or its chunks (level 3, gathered per block). ``copies`` (elastic jobs): ``"auto"``
+    commits every rank's chunks in host memory when every worker is on this host, so that a
+    re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits none
+    (a re-formed group resumes from the last checkpoint on disk); ``True`` refuses a launch where
+    copies cannot be kept.
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
                  fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB, gather_on_finish: bool = True,
-                 shared_memory: bool | str = "auto"):
+                 shared_memory: bool | str = "auto", copies: bool | str = "auto"):
         if level not in LEVELS:
             raise ConfigurationError(f"px.Sharded(level=...) must be one of {list(LEVELS)}, got {level!r}.")
         self.level = level
@@ -383,10 +429,16 @@ class Sharded(Strategy):
             raise ConfigurationError(f"px.Sharded(shared_memory=...) must be 'auto', True or False, got {shared_memory!r}.")
         self.shared_memory = shared_memory
         self.gathering: Gathering | None = None
+        self.elastic = False
         self.reduction: ShardedReduction | None = None
         self.reproducible = False
         self.nonfinite_agreement = "gradient" if level == 1 else "collective"
-        self.resumes_from_disk = True  # no worker holds a copy of another's shards
+        if copies not in ("auto", True, False):
+            raise ConfigurationError(f"px.Sharded(copies=...) must be 'auto', True or False, got {copies!r}.")
+        self.keep_copies = copies
+        self.copies: shard_copies.HostCopies | None = None
+        self.resumes_from_disk = copies is False  # set again by check, where the launch is known
+        self.lost: str | None = None  # why the last re-formed group could not rebuild the shards in memory
 
     @property
     def name(self) -> str:
@@ -395,15 +447,23 @@ class Sharded(Strategy):
     def check(self, options: FitOptions) -> None:
         refuse_parameter_servers_launched(self.name)
         self.reproducible = options.reproducible  # level 3 then keeps the parameters whole during a step
+        self.elastic = options.elastic
         if options.several_optimizers:
             refuse(self.name, "a list of optimizers", "the shards are laid out over one optimizer's parameter groups; "
                    "use one optimizer with parameter groups.")
         if options.manual_step:
             refuse(self.name, "a step_fn that steps its own optimizers", "the strategy steps the optimizer on its shards; "
                    "give step_fn(model, batch) and let px.fit step.")
-        if options.elastic and options.checkpoint_dir is None:
-            refuse(self.name, "an elastic job without checkpoint_dir", "no worker holds a copy of another's shards, so "
-                   "after a worker is lost the group resumes from the last checkpoint on disk: give checkpoint_dir.")
+        kept = self.keep_copies is not False and shard_copies.possible()
+        if options.elastic and self.keep_copies is True and not kept:
+            refuse(self.name + " with copies=True", "workers on several hosts", "the committed shards are kept in one "
+                   "host's memory; use copies='auto' (a re-formed group then reads the last checkpoint on disk).")
+        self.resumes_from_disk = options.elastic and not kept
+        if self.resumes_from_disk and options.checkpoint_dir is None:
+            refuse(self.name, "an elastic job without checkpoint_dir", "no worker holds a copy of another's shards "
+                   f"({'copies=False' if self.keep_copies is False else 'the workers are on several hosts'}), so after "
+                   "a worker is lost the group resumes from the last checkpoint on disk: give checkpoint_dir.")
+        self.copies = shard_copies.HostCopies() if options.elastic and kept else None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ShardedOptimizer]:
         """Lay the parameters out in units, plug the sharded reduction into the engine, and wrap the
@@ -418,20 +478,23 @@ class Sharded(Strategy):
             raise ConfigurationError(f"{self.name} needs an optimizer that has not stepped yet: set the strategy up "
                                      "first, then load a saved state with optimizer.load_state_dict.")
         wrapped = wrap(model)
-        units, reduced, shared = self._lay_out(wrapped, optimizer)
+        # An elastic job sets up outside the elastic protection: no collective here (a death would end
+        # the job); the group's first restore lays the units out again, in shared memory where it can.
+        units, reduced, shared = self._lay_out(wrapped, optimizer, alone=self.elastic)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         # within a host, shared memory all-reduces for the cost of a reduce-scatter
         self.reduction = ShardedReduction(reduced, params, scatter=self.level >= 2 and not shared)
         wrapped.rebuild_reducer(reduction=self.reduction)
         return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering, shared)
 
-    def _lay_out(self, wrapped: DataParallel,
-                 optimizer: torch.optim.Optimizer) -> tuple[list[Unit], list[Unit], bool]:
+    def _lay_out(self, wrapped: DataParallel, optimizer: torch.optim.Optimizer,
+                 alone: bool = False) -> tuple[list[Unit], list[Unit], bool]:
         """Cut the parameters into units for the current group (blocks gathered by hooks at level 3
         between hosts) and move them into host shared memory where every worker is on this host; the
-        units, the same in the order their buckets are reduced, and whether they are shared."""
-        shared = self._share_memory()
-        if self.level == 3 and not shared:
+        units, the same in the order their buckets are reduced, and whether they are shared.
+        ``alone``: units of this worker's own, whole, made without any collective."""
+        shared = not alone and self._share_memory()
+        if self.level == 3 and not shared and not alone:
             if any(hasattr(module, "_orig_mod") for module in wrapped.modules()):
                 raise ConfigurationError(f"{self.name} with a model under torch.compile: level 3 frees and gathers the "
                                          "parameters' memory around each block, which compiled code does not follow; "
@@ -450,11 +513,16 @@ class Sharded(Strategy):
                 unit.adopt(view)
         return units, reduced, shared
 
+    commits_whole_state = False  # the State holds no shard: a saved commit could not resume
+
     def committed(self, model: DataParallel, optimizer: OptimizerLike) -> dict[str, Stateful]:
-        """An elastic job commits no shard in memory (no worker holds another's): only the layout,
-        which a re-formed group cuts again before the last checkpoint on disk is read."""
+        """Every rank's chunks copied into host memory at each commit (unless ``copies=False``), the
+        rest in the State; a re-formed group lays the units out again and rebuilds them."""
         assert isinstance(optimizer, ShardedOptimizer), "committed comes after setup"
-        return {"layout": _Layout(self, model, optimizer)}
+        return {"shards": _Committed(self, model, optimizer)}
+
+    def must_resume_from_disk(self) -> str | None:
+        return self.lost
 
     def follow_group(self, model: DataParallel, optimizer: ShardedOptimizer) -> None:
         """After the group changed: the units laid out afresh for it, as ``setup`` lays them out (the

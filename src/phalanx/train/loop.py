@@ -334,7 +334,7 @@ def _train_elastic(run: FitRun) -> None:
     if run.checkpoint_dir is not None:
         Path(run.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         # the last commit is worth saving below the minimum only where it holds the whole state
-        last = None if from_disk else Path(run.checkpoint_dir) / checkpoint.ELASTIC_LAST
+        last = Path(run.checkpoint_dir) / checkpoint.ELASTIC_LAST if run.strategy.commits_whole_state else None
     carried = elastic.State(checkpoint_path=last, prepared=False, **objects)
     begun = False
     read_in: int | None = None  # the generation whose state this worker holds
@@ -349,8 +349,8 @@ def _train_elastic(run: FitRun) -> None:
                 checkpoint.save(state, run.checkpoint_dir)  # something to resume from before the first save
             carried.prepared = True
             carried.commit()
-        elif from_disk and generation != read_in:
-            _resume_after_reform(run)
+        elif generation != read_in and (reason := run.strategy.must_resume_from_disk()) is not None:
+            _resume_after_reform(run, reason)
             carried.commit()
         read_in = generation
         if not begun:  # once per process: callbacks are this worker's own objects
@@ -373,16 +373,20 @@ def _generation() -> int | None:
     return view.generation if view is not None else None
 
 
-def _resume_after_reform(run: FitRun) -> None:
-    """A re-formed group of a strategy whose commits hold no copy of a lost worker's state goes on
-    from the last checkpoint on disk, at the new worker count (collective), and says so."""
+def _resume_after_reform(run: FitRun, reason: str) -> None:
+    """A re-formed group whose last commit lacks a lost worker's state (``reason``) goes on from the
+    last checkpoint on disk, at the new worker count (collective), and says so."""
+    if run.checkpoint_dir is None:
+        raise CheckpointError(f"the re-formed group of {runtime.size()} cannot go on: {reason}, and px.fit was given "
+                              "no checkpoint_dir to resume from; start the job again (with checkpoint_dir, a later "
+                              "loss of this kind resumes from the last checkpoint).")
     path = checkpoint.restore(run.state, [run.checkpoint_dir])
     if path is None:
         raise CheckpointError(
-            f"{run.strategy.name} lost a worker's state, which no other worker holds, and {run.checkpoint_dir} has "
-            "no checkpoint to resume from (was it emptied during the run?); start the job again.")
-    message = (f"phalanx elastic: {run.strategy.name} holds no copy of another worker's shards, so the new group of "
-               f"{runtime.size()} resumed from {path} (global step {run.state.global_step})")
+            f"the re-formed group of {runtime.size()} cannot go on: {reason}, and {run.checkpoint_dir} has no "
+            "checkpoint to resume from (was it emptied during the run?); start the job again.")
+    message = (f"phalanx elastic: {reason}, so the new group of {runtime.size()} resumed from {path} "
+               f"(global step {run.state.global_step})")
     logger.warning(message)
     if runtime.is_master():
         print(message, file=sys.stderr, flush=True)
