@@ -1,0 +1,157 @@
+"""What px.Sharded's in-memory copies cost an elastic job, and how fast a job recovers with them.
+
+    python benchmarks/bench_elastic_shard.py [--reps 3] [--workers 2,3,4] [--levels 0,1,2,3] [--steps 12]
+
+Every measurement is one elastic ``python -m phalanx run -n W --min-workers 1`` job of this file:
+px.fit of the MLP of benchmarks/bench_ddp.py (5.26 M parameters, 1024-2048-1024-1024-10, batch 96
+per worker), Adam, a commit after every step (px.fit's elastic default), one intra-op thread per
+worker. Variants, alternating within each repetition in a shuffled order:
+
+  L0          px.DataParallel: every commit copies the whole model and Adam's state
+  L1..L3      px.Sharded(level=L): every commit copies the rank's chunks into host memory (copies="auto")
+  L1..L3-off  px.Sharded(level=L, copies=False): no copy (a re-formed group would read the disk)
+
+Per variant: the median time from one step's end to the next's (the commit included) on rank 0
+over --steps steps after 3 of warm-up; the commit's share is that of the copies against the same
+level without them. Recovery: the same job (copies on) with rank 1 SIGKILLed after its 6th step's
+end, before the commit (``PHALANX_FAULTS=step.end@1#6``); rank 0 reports the time from the launcher
+seeing the death to the next completed step. Held bytes per parameter: what each worker holds for
+parameters, gradients and Adam's state (phalanx.strategies.base.held_bytes) and what the copies add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WARMUP = 3
+
+
+def job(level: int, copies: bool, steps: int, out: str) -> None:
+    """One elastic px.fit run; rank 0 writes the step intervals to ``out``."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import phalanx as px
+
+    torch.set_num_threads(1)
+    px.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
+                          nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batch = 96 * px.size()
+    samples = batch * (steps + WARMUP)
+    x, y = torch.randn(samples, 1024), torch.randint(0, 10, (samples,))
+    ends: list[float] = []
+
+    class Clock:
+        def on_step_end(self, step: int, logs: dict, state) -> None:  # noqa: ANN001 - px.fit's callback
+            ends.append(time.perf_counter())
+
+    strategy = px.Sharded(level=level, copies="auto" if copies else False) if level else None
+    checkpoints = tempfile.mkdtemp(prefix="bench-elastic-") if level and not copies else None
+    px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=1, global_batch_size=batch, verbose=0,
+           strategy=strategy, checkpoint_dir=checkpoints, checkpoint_every=10_000 if checkpoints else None,
+           callbacks=[Clock()])
+    if px.is_master():
+        intervals = [b - a for a, b in zip(ends[WARMUP - 1:], ends[WARMUP:])]
+        Path(out).write_text(json.dumps({"intervals": intervals}))
+
+
+def launch(level: int, copies: bool, workers: int, steps: int, kill: bool) -> dict:
+    """One job; its step intervals, or the recovery time it reported."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "out.json")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if kill:
+            env["PHALANX_FAULTS"] = "step.end@1#6"
+        command = [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--min-workers", "1", "--timeout", "60",
+                   __file__, "--job", str(level), str(int(copies)), str(steps), out]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parent)
+        if done.returncode != 0:
+            return {"failed": (done.stdout + done.stderr)[-1500:]}
+        result = json.loads(Path(out).read_text())
+        recovered = re.findall(r"first step done ([\d.]+)s after the event", done.stderr)
+        if kill:
+            result["recovery_s"] = float(recovered[0]) if recovered else None
+        return result
+
+
+def held_per_parameter(level: int, workers: int) -> tuple[float, float]:
+    """Bytes a worker holds per parameter (Adam, float32) and what the copies add (two slots of its chunks)."""
+    own = {0: 16.0, 1: 8 + 8 / workers, 2: 4 + 12 / workers, 3: 16 / workers}[level]
+    copies = 12.0 if level == 0 else 2 * 12 / workers  # level 0: the State's whole copy
+    return own, copies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workers", default="2,3,4")
+    parser.add_argument("--levels", default="0,1,2,3")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--job", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        level, copies, steps, out = args.job
+        job(int(level), bool(int(copies)), int(steps), out)
+        return
+    workers = [int(w) for w in args.workers.split(",")]
+    levels = [int(level) for level in args.levels.split(",")]
+    variants = [(level, True) for level in levels] + [(level, False) for level in levels if level]
+    steps: dict[tuple[int, bool, int], list[float]] = {}
+    recoveries: dict[tuple[int, int], list[float]] = {}
+    failures: list[str] = []
+    for rep in range(args.reps):
+        order = [(w, v) for w in workers for v in variants] + [(w, (level, "kill")) for w in workers for level in levels]
+        random.Random(rep).shuffle(order)
+        for world, (level, mode) in order:
+            kill = mode == "kill"
+            result = launch(level, bool(mode), world, args.steps, kill)
+            name = f"L{level}{'' if mode else '-off'}{' killed' if kill else ''} at {world}"
+            if "failed" in result:
+                failures.append(f"{name}: {result['failed']}")
+                print(f"rep {rep}: {name}: FAILED", flush=True)
+                continue
+            if kill:
+                recoveries.setdefault((level, world), []).append(result["recovery_s"])
+                print(f"rep {rep}: {name}: recovered in {result['recovery_s']} s", flush=True)
+            else:
+                median = statistics.median(result["intervals"])
+                steps.setdefault((level, bool(mode), world), []).append(median)
+                print(f"rep {rep}: {name}: step + commit {median * 1e3:.1f} ms", flush=True)
+    print("\n| workers | level | step + commit, copies (ms) | without copies (ms) | copies' share | recovery (s) | held B/param | copies B/param |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for world in workers:
+        for level in levels:
+            with_copies = steps.get((level, True, world), [])
+            without = steps.get((level, False, world), [])
+            ratio = (f"{statistics.median(with_copies) / statistics.median(without) - 1:+.1%}"
+                     if with_copies and without else "")
+            kept = [r for r in recoveries.get((level, world), []) if r is not None]
+            own, copies = held_per_parameter(level, world)
+            print(f"| {world} | {'px.DataParallel' if level == 0 else f'px.Sharded({level})'} | "
+                  f"{statistics.median(with_copies) * 1e3:.1f} | " if with_copies else f"| {world} | {level} | - | ",
+                  end="")
+            print(f"{statistics.median(without) * 1e3:.1f} | " if without else "- | ", end="")
+            print(f"{ratio} | {statistics.median(kept):.2f} ({min(kept):.2f}-{max(kept):.2f}) | " if kept
+                  else f"{ratio} | - | ", end="")
+            print(f"{own:.2f} | {copies:.2f} |")
+    for failure in failures:
+        print(f"\nFAILED {failure}")
+
+
+if __name__ == "__main__":
+    main()
