@@ -133,8 +133,8 @@ class DiLoCo(LocalSGD):
                                      f"of the period, so it needs period >= fragments, got period={period}.")
         self.delay = _whole("delay", delay if delay is not None else int(self.fragments > 1), 0)
         if self.delay >= self.period:
-            raise ConfigurationError(f"px.DiLoCo(delay={delay}) must merge an exchange before its fragment's next turn: "
-                                     f"give delay < period={period}.")
+            raise ConfigurationError(f"px.DiLoCo(delay={delay}) must merge an exchange before its fragment's next "
+                                     f"turn: give delay < period={period}.")
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise ConfigurationError("px.DiLoCo(outer_optimizer=...) takes a function of a list of tensors that "
                                      "makes the optimizer, such as functools.partial(torch.optim.SGD, lr=0.7).")

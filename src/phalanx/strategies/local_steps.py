@@ -83,6 +83,8 @@ class LocalSteps(HeldOptimizer):
     @torch.no_grad()
     def _step(self) -> None:
         """The inner step; then the exchanges that start after this step, and those due to merge."""
+        if self.steps == 0:
+            self._begin()
         self.optimizer.step()
         self.steps += 1
         for fragment in self.fragments:
@@ -121,6 +123,10 @@ class LocalSteps(HeldOptimizer):
         profile.mark("outer_merge", fragment=fragment.index, step=self.steps, waited=time.perf_counter() - began)
         self._apply(fragment)
         fragment.handles, fragment.started, fragment.synced = None, None, self.steps
+
+    def _begin(self) -> None:
+        """Before the first inner step, the replicas are equal (in an elastic launch only since the
+        first training forward): nothing to note here."""
 
     def _contribution(self, index: int, into: torch.Tensor, share: float) -> None:
         """Write this worker's part of the sum for parameter ``index``: its share of the parameter."""
@@ -285,6 +291,12 @@ class OuterSteps(LocalSteps):
         super().__init__(optimizer, model, period, fragments, delay, reduction)
         self.globals = [p.detach().clone() for p in self.params]  # the parameters of the last outer step
         self.outer = outer_optimizer(self.globals)
+
+    def _begin(self) -> None:
+        """The replicas' first weights are the first outer step's (taken now rather than at setup:
+        an elastic launch makes the replicas equal at the first training forward)."""
+        for saved, param in zip(self.globals, self.params):
+            saved.copy_(param)
 
     def _contribution(self, index: int, into: torch.Tensor, share: float) -> None:
         torch.sub(self.globals[index], self.params[index].detach(), out=into).mul_(share)
