@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from phalanx.comm.environment import detect
@@ -32,6 +33,7 @@ def final_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return found[1]["model"]
 
 
+@pytest.mark.timeout(360)  # three Ray Train runs, one restarted: 2 minutes here, more on a loaded host
 def test_fit_reports_to_ray_and_a_killed_worker_resumes_from_rays_checkpoint_bitwise(ray_cluster: dict[str, str],
                                                                                    tmp_path: Path) -> None:
     storage = tmp_path / "storage"
