@@ -184,15 +184,78 @@ def state_per_parameter(optimizer: OptimizerLike) -> int:
     return STATE_PER_PARAMETER.get(type(optimizer).__name__, 2) + extra
 
 
+@dataclass(frozen=True)
+class Held:
+    """Bytes one worker holds for the model's training state, by kind: the one place the memory of
+    each sharding level is written down (``px.fit(max_memory_gb=...)`` and ``phalanx doctor`` both
+    read it). ``gradients`` stay between steps; ``step_gradients`` exist from backward to the end of
+    the optimizer step (the engine's gradient buckets, whole at every level)."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    step_gradients: float
+
+    @property
+    def total(self) -> float:
+        """Held between steps: what benchmarks/bench_shard.py counts after a step."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def at_step(self) -> float:
+        """Held at the optimizer step, the step's gradients whole in their buckets."""
+        return self.parameters + max(self.gradients, self.step_gradients) + self.optimizer_state
+
+
+#: Sharding levels: 0 is px.DataParallel (nothing sharded), 1-3 are px.Sharded's.
+SHARDING_LEVELS = (0, 1, 2, 3)
+
+
+def held_per_worker(weights: float, state: float, level: int, workers: int, shared: bool = False) -> Held:
+    """What one of ``workers`` holds at sharding ``level`` (0: px.DataParallel; 1: the optimizer state
+    sharded; 2: also the gradients; 3: also the parameters), counted as benchmarks/bench_shard.py
+    counts tensors after a step. ``weights``: bytes of the parameters the optimizer steps, ``state``:
+    bytes of the whole optimizer state. ``shared``: px.Sharded keeps its units once per host in
+    shared memory (every worker on one CPU host, the default there), each worker's share of them
+    counted, so the parameters cost ``weights / workers`` at every level. Levels 2 and 3 free the
+    gradient buckets after the step; at level 3 blocks gathered for a forward or a backward come on
+    top while they are in use (between hosts)."""
+    if level not in SHARDING_LEVELS:
+        raise ConfigurationError(f"sharding level must be one of {list(SHARDING_LEVELS)}, got {level!r}.")
+    if workers < 1:
+        raise ConfigurationError(f"workers must be 1 or more, got {workers!r}.")
+    own_parameters = level == 3 or (shared and level > 0)
+    return Held(parameters=weights / workers if own_parameters else weights,
+                gradients=weights if level <= 1 else 0.0,
+                optimizer_state=state / workers if level > 0 else state,
+                step_gradients=weights)
+
+
+def elastic_copies_per_worker(weights: float, state: float, level: int, workers: int, one_host: bool) -> float:
+    """Bytes an elastic commit keeps per worker beside training. px.DataParallel (level 0): a whole copy
+    of the weights and the optimizer state in the worker's memory (the elastic State's commit).
+    px.Sharded: on one host, two slots of the worker's chunks of both in host shared memory
+    (strategies/shard_copies.py), ``2 * (weights + state) / workers``; between hosts none, as a
+    re-formed group reads the last checkpoint from disk."""
+    if level == 0:
+        return weights + state
+    return 2 * (weights + state) / workers if one_host else 0.0
+
+
+def trained_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that train (``requires_grad``), whole, whatever the sharding."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def held_bytes(model: nn.Module, optimizer: OptimizerLike, level: int, workers: int) -> int:
-    """Bytes one of ``workers`` holds for parameters, gradients and optimizer state when the model
-    state is sharded to ``level`` (0: replicated; 1: optimizer state; 2: also gradients; 3: also
-    parameters, not counting the blocks gathered at a given moment)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = state_per_parameter(optimizer) * weights
-    held = {0: 2 * weights + state, 1: 2 * weights + state / workers,
-            2: weights + (weights + state) / workers, 3: (2 * weights + state) / workers}
-    return int(held[level])
+    """Bytes one of ``workers`` holds for parameters, gradients and optimizer state at sharding ``level``
+    as ``px.fit(max_memory_gb=...)`` counts them: :func:`held_per_worker` with each worker its own copy
+    of what it does not shard (no credit for host shared memory) and, at levels 2 and 3, the chunk of
+    the gradient a rank steps (ZeRO's accounting, the table of docs/sharding.md), not counting the
+    blocks level 3 gathers at a given moment."""
+    weights = trained_bytes(model)
+    held = held_per_worker(weights, state_per_parameter(optimizer) * weights, level, workers)
+    return int(held.total + (weights / workers if level >= 2 else 0))
 
 
 def resolve(strategy: Strategy | None) -> Strategy:
