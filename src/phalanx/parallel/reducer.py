@@ -282,3 +282,9 @@ class GradientReducer:
     def bucket_sizes(self) -> list[int]:
         """Number of gradient elements in each bucket, in launch order."""
         return [bucket.gradient_numel for bucket in self._buckets]
+
+    @property
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Every bucket's flat buffer (gradients and trailer; no memory while released), in launch
+        order: the gradient memory the engine holds, for counting it (``phalanx doctor``)."""
+        return [bucket.flat for bucket in self._buckets]
