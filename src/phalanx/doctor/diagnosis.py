@@ -1,4 +1,4 @@
-"""A diagnosis: the measured run, the noise scale, the scaling model, its predictions and the advice.
+"""A diagnosis: the measured run, the noise scale, the scaling model, its predictions, the advice and memory.
 
 ``diagnose_records`` turns the ranks' records of the run on N workers (and of the 1-worker
 reference) into a :class:`Diagnosis`; ``as_dict`` is the ``--json`` object.
@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.doctor import advice, noise, predict
+from phalanx.doctor import advice, memory, noise, predict
 from phalanx.doctor.measured import Measured, norm_samples, summarize
+from phalanx.doctor.memory import MemoryReport
 
 #: World sizes of the predicted scaling curves across hosts.
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -30,6 +31,7 @@ class Diagnosis:
     causes: list[str]
     recommendations: list[advice.Recommendation]
     records: list[dict[str, Any]]  # every rank's events, for the trace
+    memory: MemoryReport | None = None  # None where the ranks did not count their tensors
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object."""
@@ -42,7 +44,8 @@ class Diagnosis:
                 "assumptions": self.assumptions,
                 "noise_scale": self.noise.as_dict() if self.noise else None,
                 "causes": self.causes,
-                "recommendations": [r.as_dict() for r in self.recommendations]}
+                "recommendations": [r.as_dict() for r in self.recommendations],
+                "memory": self.memory.as_dict() if self.memory else None}
 
 
 def diagnose_records(run: list[dict[str, Any]], reference: list[dict[str, Any]] | None,
@@ -61,7 +64,8 @@ def diagnose_records(run: list[dict[str, Any]], reference: list[dict[str, Any]] 
         + predict.scaling(model, [layout for layout in across if layout not in skipped],
                           measured.global_batch / measured.world_size))
     return Diagnosis(measured, ref, model, scale, predictions, not_predicted, assumptions(measured, model),
-                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale), run)
+                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale), run,
+                     memory.report(run, measured.global_batch, on_host, across, measured.transport))
 
 
 def layouts(measured: Measured, bandwidths_gbit: list[float]) -> tuple[list[predict.Layout], list[predict.Layout]]:

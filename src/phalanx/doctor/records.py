@@ -4,7 +4,8 @@ A step ends at the optimizer step's end (``step``). Within it: the loader's wait
 first training forward (``forward``), the start of backward (``backward``, the first gradient
 ready), buckets launched (``launch``) and waited for (``wait``), the optimizer's start
 (``optimizer``), and on every other measured step the gradient norms (``norms``). The first
-``warmup`` steps are dropped; steps with norms are kept for the noise scale only.
+``warmup`` steps are dropped; steps with norms are kept for the noise scale only, and the step
+whose tensors were counted (``memory``, :mod:`phalanx.doctor.footprint`) for nothing.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def split_steps(record: dict[str, Any]) -> RankSteps:
 
 
 def _keep(result: RankSteps, previous: Event, events: list[Event]) -> None:
+    if any(e[0] == "memory" for e in events):  # counting the tensors took part of its time
+        return
     norms = [e[2] for e in events if e[0] == "norms"]
     if norms:
         local, total = norms[0]["local"], norms[0]["total"]

@@ -1,9 +1,11 @@
-"""The doctor's report as text: the step, the communication, the host, causes, noise scale, predictions, advice."""
+"""The doctor's report as text: the step, the communication, the host, causes, noise scale, predictions, advice,
+memory."""
 
 from __future__ import annotations
 
 from phalanx.doctor.diagnosis import Diagnosis
 from phalanx.doctor.measured import Measured
+from phalanx.doctor.memory import HOST_SHARE, MemoryReport
 from phalanx.doctor.predict import Layout
 
 #: Kernel time above this share of a step is named with the run's figure: another run may not pay it.
@@ -15,7 +17,7 @@ def render(diagnosis: Diagnosis, script: str) -> str:
     run = diagnosis.measured
     sections = [_header(run, diagnosis.reference, script), _phases(run), _communication(run), _host(run),
                 _causes(diagnosis.causes), _noise(diagnosis), _predictions(diagnosis),
-                _recommendations(diagnosis)]
+                _recommendations(diagnosis), _memory(diagnosis.memory)]
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
@@ -60,6 +62,8 @@ def _communication(run: Measured) -> str:
     figures = run.transport_figures
     if not figures:
         return "Communication: none (one worker)."
+    if not run.buckets:  # px.Sharded plugs its own reduction into the engine, which the probe does not wrap
+        return "Communication: the strategy's own reduction, whose buckets the doctor does not time."
     alone = run.comm_alone_s or 0.0
     lines = [f"Communication: {run.bytes_per_step / 1e6:.2f} MB reduced per step in {len(run.buckets)} bucket(s); "
              f"alone they take {_ms(alone)} ({run.bytes_per_step / alone / 1e9:.2f} GB/s achieved), beside "
@@ -140,3 +144,77 @@ def _recommendations(diagnosis: Diagnosis) -> str:
         note = f" ({r.note})" if r.note else ""
         lines.append(f"  {index}. {r.action}: {_ms(r.step_s)}, {r.gain:.2f}x{note}")
     return "\n".join(lines)
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _level(level: int) -> str:
+    return "px.DataParallel" if level == 0 else f"px.Sharded(level={level})"
+
+
+def _short(level: int) -> str:
+    return "px.DataParallel" if level == 0 else f"level {level}"
+
+
+def _memory(memory: MemoryReport | None) -> str:
+    if memory is None:
+        return "Memory: not counted (the script stepped no optimizer after a px.DataParallel forward)."
+    m = memory.measured
+    where = ", units in host shared memory (a worker's share counted)" if m.shared else ""
+    copies = ("copies (elastic)" if m.elastic else "copies if elastic",
+              "a whole copy of the weights and the optimizer state" if m.level == 0 else
+              "two slots of this worker's chunks in host shared memory" if m.copies else
+              "none between hosts: a re-formed group reads the last checkpoint")
+    lines = [f"Memory per worker, {_level(m.level)}{where}; tensor bytes, not resident memory, the largest rank's:"]
+    rows = [("parameters", m.parameters, ""), ("gradients", m.gradients, f" ({_size(m.step_gradients)} at the step)"),
+            ("optimizer state", m.optimizer_state, ""),
+            ("activations", m.activations, f" (saved for backward by a forward of {m.activation_samples} samples)"),
+            (copies[0], m.copies, f" ({copies[1]})")]
+    lines += [f"  {name:<20}{_size(value):>11}  {m.per_parameter(value):6.2f} B/param{note}"
+              for name, value, note in rows]
+    lines.append(_memory_table(memory))
+    return "\n".join(lines)
+
+
+def _memory_table(memory: MemoryReport) -> str:
+    m = memory.measured
+    share = f"{100 * HOST_SHARE:.0f}% of the host's {_size(memory.host_memory)}" if memory.host_memory else \
+        "the host's memory (unknown here)"
+    lines = [f"Predicted per worker at the step (parameters, the step's gradients, optimizer state, activations"
+             f"{', copies' if m.elastic else ''}); a level fits within {share} over the workers of a host:",
+             f"  workers  per host  batch/worker{'px.DataParallel':>17}{'level 1':>11}{'level 2':>11}{'level 3':>11}"
+             f"{'budget':>11}  lowest fitting"]
+    for row in memory.rows:
+        needs = "".join(f"{_size(need.at_step):>{17 if need.level == 0 else 11}}" for need in row.levels)
+        fitting = "-" if row.budget is None else "none" if row.lowest_fitting is None else _short(row.lowest_fitting)
+        lines.append(f"  {row.layout.world_size:>7}  {row.layout.workers_per_host:>8}  {row.local_batch:>12.4g}"
+                     f"{needs}{_size(row.budget):>11}  {fitting}")
+    measured = next((row for row in memory.rows if row.layout == memory.measured_layout), None)
+    if measured is not None:
+        lines.append(f"  between steps at {measured.layout.world_size} worker(s), B/param (benchmarks/bench_shard.py's "
+                     "'held after a step'): " + ", ".join(f"{_short(need.level)} {m.per_parameter(need.held):.2f}"
+                                                          for need in measured.levels))
+    lines.append(_memory_advice(memory))
+    return "\n".join(lines)
+
+
+def _memory_advice(memory: MemoryReport) -> str:
+    if memory.host_memory is None:
+        return "  recommended: nothing (the host's memory could not be read)"
+    workers = memory.measured_layout.world_size
+    level = memory.recommended_level
+    if level is not None:
+        run = "as this run" if level == memory.measured.level else f"this run: {_level(memory.measured.level)}"
+        return f"  recommended at {workers} worker(s): {_level(level)}, the lowest level that fits ({run})"
+    fitting = [row for row in memory.rows if row.lowest_fitting is not None and row.layout.world_size > workers]
+    more = (f"; px.Sharded(level=3) fits from {fitting[0].layout.world_size} workers "
+            f"({fitting[0].layout.workers_per_host} a host)") if fitting else ""
+    return (f"  recommended at {workers} worker(s): no level fits{more}; a smaller batch per worker needs fewer "
+            "activations")
