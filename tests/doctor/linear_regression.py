@@ -1,4 +1,5 @@
-"""A script for `phalanx doctor`: linear regression with Gaussian noise, weights held near 0.95 (tiny steps)."""
+"""A script for `phalanx doctor`: linear regression with Gaussian noise, weights held near 0.95 (tiny steps;
+SGD with momentum, so that the optimizer keeps state the doctor's memory figures count)."""
 
 import torch
 import torch.nn.functional as F
@@ -19,5 +20,5 @@ if __name__ == "__main__":
     px.init()
     model = torch.nn.Linear(FEATURES, 1, bias=False)
     torch.nn.init.constant_(model.weight, WEIGHT)
-    px.fit(model, torch.optim.SGD(model.parameters(), lr=1e-9), F.mse_loss, dataset(), epochs=2, global_batch_size=64,
-           verbose=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    px.fit(model, optimizer, F.mse_loss, dataset(), epochs=2, global_batch_size=64, verbose=0)

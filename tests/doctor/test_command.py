@@ -46,6 +46,17 @@ def test_doctor_reports_json_trace_plot_and_the_noise_scale_within_a_factor_two(
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X" and e["name"] == "backward"} == {0, 1}
     assert busy or plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    memory = found["memory"]  # a worker's tensors: 8 weights, SGD's momentum, 32 samples a forward
+    held, weights = memory["measured"], 4 * problem.FEATURES
+    assert (held["parameters_bytes"], held["optimizer_state_bytes"], held["level"]) == (weights, weights, 0)
+    bucket = weights + 4 * (1 + 1)  # and the bucket's trailer: a flag per parameter, the sample count
+    assert held["gradients_bytes"] == held["step_gradients_bytes"] == bucket and held["activation_samples"] == 32
+    batch = 32 * weights  # the forward saves its input batch, and the loss its output and target (32 each)
+    assert batch <= held["activations_bytes"] <= batch + 2 * 32 * 4 + 16, held
+    assert held["copies_bytes"] == 2 * weights and held["copies_if_elastic"]
+    rows = {(row["world_size"], row["workers_per_host"]): row for row in memory["predicted"]}
+    assert rows[(1, 1)]["activations_bytes"] == pytest.approx(2 * rows[(2, 2)]["activations_bytes"])
+    assert memory["recommended_level"] == 0 and rows[(2, 2)]["lowest_fitting_level"] == 0
 
 
 def test_a_script_shorter_than_the_measured_steps_is_refused_with_what_to_do(tmp_path: Path) -> None:
