@@ -213,8 +213,9 @@ def _memory_advice(memory: MemoryReport) -> str:
     if level is not None:
         run = "as this run" if level == memory.measured.level else f"this run: {_level(memory.measured.level)}"
         return f"  recommended at {workers} worker(s): {_level(level)}, the lowest level that fits ({run})"
-    fitting = [row for row in memory.rows if row.lowest_fitting is not None and row.layout.world_size > workers]
-    more = (f"; px.Sharded(level=3) fits from {fitting[0].layout.world_size} workers "
-            f"({fitting[0].layout.workers_per_host} a host)") if fitting else ""
+    fitting = [(row.layout, fits) for row in memory.rows
+               if (fits := row.lowest_fitting) is not None and row.layout.world_size > workers]
+    more = (f"; {_level(fitting[0][1])} fits from {fitting[0][0].world_size} workers "
+            f"({fitting[0][0].workers_per_host} a host)") if fitting else ""
     return (f"  recommended at {workers} worker(s): no level fits{more}; a smaller batch per worker needs fewer "
             "activations")
