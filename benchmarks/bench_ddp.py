@@ -295,9 +295,25 @@ def run_world(world: int, models: list[str], variants: list[str], args: argparse
     config_path = os.path.join(workdir, "config.json")
     with open(config_path, "w") as handle:
         json.dump(config, handle)
+    usage = _CpuUsage()
+    start_workers(os.path.abspath(__file__), config_path, world, args.timeout, netns=netns)
+    with open(config["result_path"]) as handle:
+        report = json.load(handle)
+    report["foreign_cpu"] = usage.foreign_share()
+    return report
+
+
+def start_workers(script: str, config_path: str, world: int, timeout: float, netns: bool = False) -> None:
+    """Run ``python script --worker config_path`` as ranks 0..world-1 of one job and wait for all of
+    them (other benchmarks start their workers with this too).
+
+    Rank 0 hosts the rendezvous store; each worker gets the PHALANX_* variables a launcher would
+    set. With ``netns`` half of the workers run in each of the namespaces :func:`netns_up` made,
+    each namespace a host of its own; else all run on this host (shared-memory transport). A
+    worker that fails or a run longer than ``timeout`` seconds raises; no worker outlives the call.
+    """
     port = _free_port()
     procs = []
-    usage = _CpuUsage()
     try:
         for rank in range(world):
             env = {key: value for key, value in os.environ.items()
@@ -307,24 +323,20 @@ def run_world(world: int, models: list[str], variants: list[str], args: argparse
             env.update(PHALANX_RANK=str(rank), PHALANX_WORLD_SIZE=str(world), PHALANX_LOCAL_RANK=str(local),
                        PHALANX_LOCAL_WORLD_SIZE=str(per_host), PHALANX_NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1", PHALANX_TIMEOUT="600")
-            command = [sys.executable, os.path.abspath(__file__), "--worker", config_path]
+            command = [sys.executable, script, "--worker", config_path]
             if netns:  # a job id per namespace: phalanx counts each as a host of its own (as its launcher would)
                 env.update(MASTER_ADDR=NETNS_ADDR[0], GLOO_SOCKET_IFNAME=VETH[node], PHALANX_JOB_ID=f"bench{node}")
                 command = ["ip", "netns", "exec", NETNS[node], *command]
             procs.append(subprocess.Popen(command, env=env))
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 raise RuntimeError(f"world {world}: a worker failed (exit {failed[0].returncode})" if failed
-                                   else f"world {world}: timed out after {args.timeout:.0f}s")
+                                   else f"world {world}: timed out after {timeout:.0f}s")
             time.sleep(0.2)
         if any(p.returncode != 0 for p in procs):
             raise RuntimeError(f"world {world}: worker exit codes {[p.returncode for p in procs]}")
-        with open(config["result_path"]) as handle:
-            report = json.load(handle)
-        report["foreign_cpu"] = usage.foreign_share()
-        return report
     finally:
         for proc in procs:
             if proc.poll() is None:
