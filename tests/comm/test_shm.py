@@ -128,10 +128,11 @@ def test_the_survivor_names_the_dead_peer_at_once() -> None:
     assert "rank(s) [1] died" in report or "exited" in report, report
 
 
-def _groups(size: int, tag: str) -> list[shm.SharedMemoryGroup]:
+def _groups(size: int, tag: str, message_bytes: int = 0) -> list[shm.SharedMemoryGroup]:
     """``size`` ranks of one segment in this process (each rank's calls on a thread of its own)."""
     name = f"phalanx-test-{tag}-{os.getpid()}"
-    groups = [shm.SharedMemoryGroup(name, rank, size, 10.0, create=rank == 0) for rank in range(size)]
+    groups = [shm.SharedMemoryGroup(name, rank, size, 10.0, create=rank == 0, message_bytes=message_bytes)
+              for rank in range(size)]
     groups[0].unlink()
     return groups
 
@@ -243,6 +244,84 @@ def test_the_check_travels_with_the_first_round_and_a_mismatch_leaves_every_tens
     assert with_joined == [None] * size
     assert all(torch.equal(t, torch.full((numel,), float((size - 1) * total), dtype=torch.float64))
                for t in tensors[1:])
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_messages_of_any_length_are_exchanged_and_an_allreduce_can_carry_them(monkeypatch: pytest.MonkeyPatch,
+                                                                             size: int) -> None:
+    """exchange() gives every rank's message (one past the area goes in several arrivals, the others
+    take part) and every rank's record of the first arrival; an allreduce whose first arrival carries a
+    message meets ranks that only exchange: its judge sees their records and raises, nothing is reduced,
+    and exchanged() gives every rank's message; the next allreduce and exchange are right (in step)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # block at once: threads share the GIL
+    groups = _groups(size, f"messages{size}", message_bytes=64)
+    long = bytes(range(200))  # four arrivals' worth of 56 bytes
+    tensors = [torch.full((10,), float(rank + 1)) for rank in range(size)]
+
+    def judge(rows: list[list[int]]) -> bool:
+        if any(row != [7, 7] for row in rows):
+            raise px.CollectiveMismatchError(f"records {rows}")
+        return True
+
+    def folding() -> tuple:
+        try:
+            groups[0].allreduce_(tensors[0], "sum", agreement=([7, 7], judge), message=b"folded")
+        except px.CollectiveMismatchError as refused:
+            return str(refused), groups[0].exchanged(b"folded")
+        return None
+
+    try:
+        exchanged = _on_threads(*[lambda rank=rank: groups[rank].exchange(long if rank == 1 else b"r%d" % rank,
+                                                                        record=[rank, 5]) for rank in range(size)])
+        mixed = _on_threads(folding, *[lambda rank=rank: groups[rank].exchange(b"plain%d" % rank, record=[1, 2])
+                                       for rank in range(1, size)])
+        unchanged = torch.equal(tensors[0], torch.full((10,), 1.0))
+        _on_threads(*[lambda rank=rank: groups[rank].allreduce_(tensors[rank], "sum", agreement=([7, 7], judge),
+                                                                message=b"") for rank in range(size)])
+        after = _on_threads(*[lambda rank=rank: groups[rank].exchange(b"after", record=[0]) for rank in range(size)])
+    finally:
+        for group in groups:
+            group.close()
+    messages = [b"r0", long, *(b"r%d" % rank for rank in range(2, size))]
+    assert exchanged == [(messages, [[rank, 5] for rank in range(size)])] * size
+    refusal, seen = mixed[0]
+    assert "records [[7, 7], [1, 2]" in refusal and unchanged, refusal
+    carried = [b"folded", *(b"plain%d" % rank for rank in range(1, size))]
+    assert seen == carried and [messages for messages, _ in mixed[1:]] == [carried] * (size - 1)
+    assert all(torch.equal(t, torch.full((10,), float(sum(range(1, size + 1))))) for t in tensors)
+    assert after == [([b"after"] * size, [[0]] * size)] * size
+
+
+@pytest.mark.skipif(shm._futex is None, reason="no futex here")
+def test_a_ring_wakes_a_rank_waiting_on_its_doorbell_and_it_sees_who_is_ahead() -> None:
+    """wait_bell() takes no core and returns when the doorbell is rung after the value it was given was
+    read (a ring before the wait is not missed); a rank that arrives for an exchange rings those not
+    there; ahead() and arrived_records() show the arrival a rank has yet to join, and its records."""
+    groups = _groups(2, "bell", message_bytes=64)
+    try:
+        seen = groups[1].bell()
+        groups[0].ring([1])
+        started = time.monotonic()
+        groups[1].wait_bell(seen, 5.0)  # rung already: returns at once
+        at_once = time.monotonic() - started
+        cpu, started = time.thread_time(), time.monotonic()
+        groups[1].wait_bell(groups[1].bell(), 0.2)  # nobody rings: sleeps the whole timeout
+        slept, slept_cpu = time.monotonic() - started, time.thread_time() - cpu
+        before = (groups[1].ahead(), groups[1].arrived_records(2))
+        seen = groups[1].bell()
+        exchange = threading.Thread(target=groups[0].exchange, args=(b"news",), kwargs={"record": [4, 2]})
+        exchange.start()
+        groups[1].wait_bell(seen, 5.0)  # rank 0 rings it once it has spun in vain
+        woken = time.monotonic() - started
+        during = (groups[1].ahead(), groups[1].arrived_records(2))
+        joined = groups[1].exchange(b"reply", record=[4, 2])
+        exchange.join(timeout=10)
+    finally:
+        for group in groups:
+            group.close()
+    assert at_once < 1.0 and 0.15 < slept < 2.0 and slept_cpu < 0.05, (at_once, slept, slept_cpu)
+    assert before == (False, [None, None]) and during == (True, [[4, 2], None]) and woken < 4.0
+    assert joined == ([b"news", b"reply"], [[4, 2], [4, 2]])
 
 
 @pytest.mark.parametrize("futex", [True, False], ids=["futex", "sleeping"])

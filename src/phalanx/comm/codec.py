@@ -64,10 +64,11 @@ def encode(obj: Any, safe: bool) -> torch.Tensor:
     return data
 
 
-def decode(data: torch.Tensor, safe: bool) -> Any:
-    """The object :func:`encode` made of ``data`` (with the same ``safe``). The safe way reads plain
-    data as JSON and anything else with ``torch.load(weights_only=True)``: neither runs code."""
-    raw = data.numpy().tobytes()
+def decode(data: torch.Tensor | bytes, safe: bool) -> Any:
+    """The object :func:`encode` made of ``data`` (with the same ``safe``; its bytes, or the uint8 tensor).
+    The safe way reads plain data as JSON and anything else with ``torch.load(weights_only=True)``:
+    neither runs code."""
+    raw = data if isinstance(data, bytes) else data.numpy().tobytes()
     if not safe:
         return pickle.loads(raw)
     if raw[:1] == PLAIN:

@@ -125,6 +125,35 @@ def _open_shm(info: LaunchInfo, store: Any, keys: str, generation: int, transpor
     return OrderedExecutor(group, "shm")
 
 
+def shared_memory_beside(communicator: Communicator, tag: str, message_bytes: int = 0) -> shm.SharedMemoryGroup | None:
+    """A shared-memory group of the generation's shape for a layer above that orders its own calls
+    apart from the generation's (Horovod's negotiation): a segment of its own on each host (named after
+    the generation's and ``tag``, removed once every rank has mapped it) and, across hosts, a Gloo
+    group of its own per local index. ``message_bytes``: the group's area for
+    :meth:`~phalanx.comm.shm.SharedMemoryGroup.exchange`. ``None`` where the generation reduces without
+    shared memory. Collective: every rank calls it at the same point."""
+    executor = communicator.shared_memory
+    if executor is None:
+        return None
+    local, store, timeout_s = executor.group, communicator.group_store, communicator.timeout_s
+    cross = None
+    if local.cross is not None:
+        before = socket_inodes()
+        cross = _cross_host_groups(_hosts(communicator.info, store, communicator.prefix), local.rank, timeout_s)
+        communicator.sockets.update(sockets_since(before))
+        if communicator.on_sockets is not None:  # a broken generation's watchdog must be able to cut these too
+            communicator.on_sockets(communicator.generation, dict(communicator.sockets))
+    name, key = f"{local.name}-{tag}", f"{communicator.prefix}shm/{tag}/{_host_key(communicator.info)}"
+    group = created_by_first(local.rank == 0, key, store, timeout_s,
+                             lambda create: shm.SharedMemoryGroup(name, local.rank, local.size, timeout_s, create, cross,
+                                                                  message_bytes))
+    executor.run(local.barrier)
+    if local.rank == 0:  # every rank of the host has it mapped: nothing is left in /dev/shm or the store
+        group.unlink()
+        store.delete_key(key)
+    return group
+
+
 def prefix(generation: int, incarnation: int) -> str:
     """The store keys of a generation's group; ``incarnation`` counts the groups this process left
     with ``shutdown`` (the store still holds their addresses, and every rank shuts down alike)."""

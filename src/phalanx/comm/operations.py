@@ -97,6 +97,9 @@ class Collectives(Agreeing):
         work = _detached(tensor) if in_place else _copy(tensor)
         finish = self._finisher(plan, work, tensor if in_place else work)
         if scoped:
+            shared = None if tensor.is_cuda else self._scope_shared_memory()
+            if shared is not None:
+                return self._inline(shared, plan.encode(work), plan.op, algorithm, finish, async_op)
             return self._backend_allreduce(plan.encode(work), plan.op, finish, async_op)
         return self._allreduce_routed(plan.encode(work), plan.op, algorithm, finish, async_op, agreement)
 

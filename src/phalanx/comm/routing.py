@@ -5,7 +5,8 @@ this host's shared memory where the transport is (across hosts too, hierarchical
 CPU reduce whose ranks are all on this host; an allreduce may also run phalanx's algorithms over
 point-to-point messages (:mod:`phalanx.comm.algorithms`) on a thread of their own, and
 ``algorithm="auto"`` lets the alpha-beta model of :mod:`phalanx.comm.cost` choose, with the link
-measured once per generation and group.
+measured once per generation and group. Inside a scope that has shared memory of its own (see
+:class:`~phalanx.comm.scopes.Scope`), a CPU allreduce goes through that group on the calling thread.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ class Routing(Scoped):
         else:
             work = lambda: executor.group.allreduce_(flat, op, algorithm, agreement)  # noqa: E731
         return self._on(executor, f"{name} ({how})", work, lambda _: finish(data), async_op)
+
+    def _inline(self, group: shm.SharedMemoryGroup, data: torch.Tensor, op: str, algorithm: str,
+                finish: Callable[[torch.Tensor], T], async_op: bool) -> T | Handle[T]:
+        """An allreduce of the contiguous ``data`` through a scope's own shared-memory ``group``, on this
+        thread (the scope's owner orders its calls: see :class:`~phalanx.comm.scopes.Scope`), then
+        ``finish``; an asynchronous call's handle is complete at once."""
+        crossing = algorithm if algorithm in ALLREDUCE_ALGORITHMS else "backend"
+        with self.translate_errors("allreduce (shared memory)"):
+            group.allreduce_(data.view(-1), op, crossing)
+        return done(finish(data), async_op)
 
     def _on(self, executor: OrderedExecutor[Any], name: str, work: Callable[[], S], finish: Callable[[S], T],
             async_op: bool) -> T | Handle[T]:

@@ -29,11 +29,16 @@ class Scope:
 
     ``ranks`` are global ranks in ascending order; a collective's ranks, size and roots are
     positions in it. ``cpu_group`` carries CPU tensors and ``device_group`` CUDA ones.
+    ``shared_memory``: a shared-memory group of the scope's own over every worker (one made beside the
+    generation's, :func:`phalanx.comm.formation.shared_memory_beside`), which its CPU allreduces then
+    go through, on the calling thread: its owner orders its calls itself (Horovod's negotiation runs
+    them in the order every rank agreed), so no executor's thread is involved.
     """
 
     ranks: tuple[int, ...]
     cpu_group: dist.ProcessGroup
     device_group: dist.ProcessGroup
+    shared_memory: shm.SharedMemoryGroup | None = None
 
 
 _scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("phalanx_collective_scope", default=None)
@@ -92,6 +97,11 @@ class Scoped:
     def _scoped(self) -> bool:
         """Whether a :meth:`within` scope restricts the collectives called now."""
         return _scope.get() is not None
+
+    def _scope_shared_memory(self) -> shm.SharedMemoryGroup | None:
+        """The current scope's own shared-memory group, if it has one (see :class:`Scope`)."""
+        scope = _scope.get()
+        return None if scope is None else scope.shared_memory
 
     def _size(self) -> int:
         scope = _scope.get()

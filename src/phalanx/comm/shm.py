@@ -21,6 +21,16 @@ before it reduces anything (``agreement`` of :meth:`SharedMemoryGroup.allreduce_
 raises on every rank at the same arrival and nothing reaches the caller's tensor. A check alone
 (another collective's) is one arrival with a record (:meth:`SharedMemoryGroup.gather_records`).
 
+A group made with a message area (a layer above that runs a protocol of its own on a segment of its
+own: Horovod's negotiation) also exchanges byte messages, each rank's in one arrival (an area per
+rank and arrival parity, the same rule as the slots'; longer ones in more arrivals), with a record
+beside them that an :meth:`SharedMemoryGroup.allreduce_` folding a check into the same arrival
+reads: so the first arrival of an allreduce can be an exchange for ranks that only exchange. Each
+rank's control line holds a doorbell: a word it sleeps on (a futex) while it has nothing to do, which
+a rank that arrives for an exchange rings once it has spun in vain for the rank, and a thread of its
+own process rings when it has news; every ring writes a value the word never held, so a wait given
+the value read before looking for news misses no ring.
+
 Waiting spins for 50 us (about what blocking costs: a rank blocked on another, idle core is woken
 25-30 us after its peer arrives on this machine; spinning as long as blocking costs is at most twice
 the best choice, whenever the peer comes), then blocks in the kernel on a futex: the counter of a
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import itertools
 import mmap
 import os
 import platform
@@ -60,14 +71,15 @@ SHM_DIR = "/dev/shm"
 PREFIX = "phalanx-"
 SLOT_BYTES = 4 << 20  # more than two ranks, or several hosts
 DIRECT_SLOT_BYTES = 1 << 20  # two ranks (two sets of slots)
-LINE = 64  # a rank's control line: pid, arrival counter, the rank it blocks on (+1; 0: none)
+LINE = 64  # a rank's control line: pid, arrival counter, the rank it blocks on (+1; 0: none), doorbell
 RECORD_WORDS = 32  # int64s of a metadata record
 HEADER = LINE + 2 * RECORD_WORDS * 8  # per rank: the control line, then a record per arrival parity
 SPIN_S = 50e-6  # then block (futex), or yield the core where there are no futexes: measured, see above
 YIELD_S = 5e-3  # no futexes: then sleep, in steps growing to 1 ms
 FIRST_BLOCK_S = 2e-3  # a blocking wait's first timeout, doubling up to LIVENESS_EVERY_S
 LIVENESS_EVERY_S = 0.05
-_PID, _COUNTER, _BLOCKED_ON = range(3)  # int64 words of the control line
+IDLE_POLL_S = 0.01  # no futexes: the longest sleep of a doorbell's waiter between looks
+_PID, _COUNTER, _BLOCKED_ON, _BELL = range(4)  # int64 words of the control line
 
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 CombineInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -122,17 +134,21 @@ class SharedMemoryGroup:
     """The ranks of one host, reducing through one mapped segment. ``create`` on local rank 0."""
 
     def __init__(self, name: str, rank: int, size: int, timeout_s: float, create: bool,
-                 cross: dist.ProcessGroup | None = None):
+                 cross: dist.ProcessGroup | None = None, message_bytes: int = 0):
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
+        self.message_bytes = message_bytes  # per rank and arrival parity, for exchange() (0: none)
         self.cross = cross  # several hosts: this local rank's Gloo group with its peers on the others
         self.cross_link: cost.Link | None = None  # measured at the first "auto" allreduce
         self.direct = size == 2 and cross is None  # each rank reduces everything itself, one arrival a round
         sets, self.slot_bytes = (2, DIRECT_SLOT_BYTES) if self.direct else (1, SLOT_BYTES)
         header, slot_bytes = size * HEADER, self.slot_bytes
         slots_end = header + sets * size * slot_bytes
-        self._map = map_segment(name, slots_end + (0 if self.direct else slot_bytes), create)
+        messages_at = slots_end + (0 if self.direct else slot_bytes)
+        self._map = map_segment(name, messages_at + 2 * size * message_bytes, create)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self._words = memoryview(self._map)[:header].cast("q")  # plain reads: ~0.1 us, not a torch op
+        self._bytes = memoryview(self._map)
+        self._messages_at = messages_at
         words_per_rank = HEADER // 8
         self._pid_at = [r * words_per_rank + _PID for r in range(size)]
         self._counter_at = [r * words_per_rank + _COUNTER for r in range(size)]
@@ -140,10 +156,13 @@ class SharedMemoryGroup:
         self._record_at = [r * words_per_rank + LINE // 8 for r in range(size)]
         self._others_blocked_at = [self._blocked_at[r] for r in range(size) if r != rank]
         self._slots = [raw[header + k * slot_bytes: header + (k + 1) * slot_bytes] for k in range(sets * size)]
-        self._result = None if self.direct else raw[slots_end:]
+        self._result = None if self.direct else raw[slots_end:messages_at]
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._anchor = ctypes.c_char.from_buffer(self._map)  # the segment's address (and it stays mapped)
         self._counter_address = [ctypes.addressof(self._anchor) + 8 * at for at in self._counter_at]
+        self._bell_at = [r * words_per_rank + _BELL for r in range(size)]
+        self._bell_address = [ctypes.addressof(self._anchor) + 8 * at for at in self._bell_at]
+        self._rings = itertools.count(1)  # each ring's value differs from every earlier one of this rank's
         self._words[self._pid_at[rank]] = os.getpid()
         self._arrivals = 0
         self._record_length = 0
@@ -157,7 +176,7 @@ class SharedMemoryGroup:
     def abort(self) -> None:
         """Make a wait in progress (on any thread) give up at once; the group is unusable after."""
         self._aborted = True
-        futex, addresses = self._futex, self._counter_address
+        futex, addresses = self._futex, [*self._counter_address, self._bell_address[self.rank]]
         if futex is not None:
             for address in addresses:  # this process's blocked thread wakes; the peers' look and block again
                 futex(address, _FUTEX_WAKE, _WAKE_ALL)
@@ -172,8 +191,9 @@ class SharedMemoryGroup:
 
     def close(self) -> None:
         self._words.release()
+        self._bytes.release()
         self._slots, self._result, self._typed = [], None, {}  # type: ignore[assignment]
-        self._counter_address = []
+        self._counter_address, self._bell_address = [], []
         del self._anchor
         try:
             self._map.close()
@@ -187,8 +207,85 @@ class SharedMemoryGroup:
         self._arrive_and_wait("checking the call's metadata")
         return self._records(len(record))
 
+    def exchange(self, payload: bytes | memoryview, phase: str = "exchanging messages",
+                 record: Sequence[int] = ()) -> tuple[list[bytes], list[list[int]]]:
+        """Every host rank's ``payload``, in rank order (lengths may differ), and every rank's ``record``
+        of the first arrival (at most :data:`RECORD_WORDS` integers, as long as this rank's: where an
+        :meth:`allreduce_` that folds a check into that arrival reads it). One arrival for payloads of
+        up to :attr:`message_bytes` - 8 bytes, one more per such part of the longest. Ranks that have
+        not arrived once this rank has spun (see :data:`SPIN_S`) are rung (:meth:`ring`), so a rank
+        that waits for news on its doorbell joins; a rank in step arrives without being woken."""
+        self._put_message(payload, 0)
+        self._put_record(record)
+        self._arrive_and_wait(phase, ring_late=True)
+        records = self._records(len(record))
+        return self.exchanged(payload, phase), records
+
+    def exchanged(self, payload: bytes | memoryview, phase: str = "exchanging messages") -> list[bytes]:
+        """Every host rank's message, once the arrival that carried this rank's ``payload`` is over (an
+        :meth:`exchange`, or an :meth:`allreduce_` given it as ``message`` whose judge raised): read from
+        the message areas, with one more arrival for each further part of the longest."""
+        room = self.message_bytes - 8
+        areas = [self._message_area(self._arrivals, rank) for rank in range(self.size)]
+        lengths = [int.from_bytes(area[:8], "little") for area in areas]
+        parts = [bytearray(area[8: 8 + min(length, room)]) for area, length in zip(areas, lengths)]
+        sent = room
+        while sent < max(lengths):  # every rank knows every length: all take the same number of arrivals
+            self._put_message(payload, sent)
+            self._arrive_and_wait(phase)
+            for rank, length in enumerate(lengths):
+                if length > sent:
+                    parts[rank] += self._message_area(self._arrivals, rank)[8: 8 + min(length - sent, room)]
+            sent += room
+        return [bytes(part) for part in parts]
+
+    def bell(self) -> int:
+        """This rank's doorbell as it is now: read it, look for news, then :meth:`wait_bell` with it, and
+        no ring that comes after the read is missed."""
+        return self._words[self._bell_at[self.rank]]
+
+    def ring(self, ranks: Sequence[int]) -> None:
+        """Wake whatever waits on the doorbells of ``ranks`` (this one's too: a thread of this process)."""
+        value, words, futex = (next(self._rings) << 16) | self.rank, self._words, self._futex
+        for rank in ranks:
+            words[self._bell_at[rank]] = value  # never a value this doorbell held before: no wait misses it
+            if futex is not None:
+                futex(self._bell_address[rank], _FUTEX_WAKE, _WAKE_ALL)
+
+    def wait_bell(self, seen: int, timeout_s: float) -> None:
+        """Block until this rank's doorbell is rung after it read ``seen`` (:meth:`bell`), ``timeout_s``
+        passes or the group is aborted; takes no core meanwhile. Without futexes it sleeps in steps of
+        up to :data:`IDLE_POLL_S`."""
+        if timeout_s <= 0 or self._aborted:
+            return
+        if self._futex is None:
+            deadline, pause = time.monotonic() + timeout_s, 5e-5
+            while self.bell() == seen and not self._aborted and (left := deadline - time.monotonic()) > 0:
+                pause = min(2 * pause, IDLE_POLL_S, left)
+                time.sleep(pause)
+            return
+        low = seen & 0xFFFFFFFF  # the kernel compares the low 32 bits (little-endian)
+        nanoseconds = max(int(timeout_s * 1e9), 1000)
+        self._futex(self._bell_address[self.rank], _FUTEX_WAIT, low - (1 << 32) if low >= 1 << 31 else low,
+                    _Timespec(nanoseconds // 1_000_000_000, nanoseconds % 1_000_000_000))
+
+    def arrived_records(self, length: int) -> list[list[int] | None]:
+        """The first ``length`` words of the records that ranks already there wrote for this rank's next
+        arrival, in rank order (``None`` for the ranks not there yet): what a rank about to join that
+        arrival can read of it first."""
+        target, words = self._arrivals + 1, self._words
+        offset = (target & 1) * RECORD_WORDS
+        return [words[at + offset: at + offset + length].tolist() if words[counter] >= target else None
+                for at, counter in zip(self._record_at, self._counter_at)]
+
+    def ahead(self) -> bool:
+        """Whether some rank has arrived more often than this one: it waits in an arrival this rank has
+        yet to make (a rank whose doorbell rang because a peer started an exchange)."""
+        words, mine = self._words, self._arrivals
+        return any(words[at] > mine for at in self._counter_at)
+
     def allreduce_(self, flat: torch.Tensor, op: str, algorithm: str = "backend",
-                   agreement: Agreement | None = None) -> None:
+                   agreement: Agreement | None = None, message: bytes | memoryview | None = None) -> None:
         """Reduce the 1-D contiguous CPU tensor ``flat`` over the job's ranks with ``op``, in place.
 
         ``algorithm`` is how each slice crosses hosts (hierarchical only): ``"backend"`` (Gloo's
@@ -197,7 +294,10 @@ class SharedMemoryGroup:
         ``agreement`` (record, judge) folds the metadata check into the first round's arrival: every
         rank's record reaches ``judge`` before anything is reduced; where it raises, it raises on
         every rank and ``flat`` is untouched; where it returns False (a rank sent its record alone:
-        it has joined), the data goes again in rounds of their own.
+        it has joined), the data goes again in rounds of their own. ``message`` (with ``agreement``, and
+        a non-empty ``flat``): written with the record, as :meth:`exchange` writes it, so that the first
+        arrival is also an exchange: ranks that only exchange in it read it, and where ``judge`` raises,
+        :meth:`exchanged` gives every rank's message; the ranks not there are rung as exchange rings them.
         """
         per_round = max(self.slot_bytes // flat.element_size(), 1)
         combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
@@ -208,24 +308,27 @@ class SharedMemoryGroup:
                 judge(self.gather_records(record))
                 return
             self._put_record(record)
+            if message is not None:
+                self._put_message(message, 0)
         for start in range(0, flat.numel(), per_round):
             chunk = flat[start: start + per_round]
+            ring_late = judge is not None and message is not None
             if self.direct:
-                done = self._direct_round(chunk, combine_into, judge)
+                done = self._direct_round(chunk, combine_into, judge, ring_late)
             else:
-                done = self._sliced_round(chunk, op, algorithm, combine, combine_into, judge)
+                done = self._sliced_round(chunk, op, algorithm, combine, combine_into, judge, ring_late)
             if not done:  # the records said: not everyone's data; all of it again, without records
                 self.allreduce_(flat, op, algorithm)
                 return
             judge = None
 
     def _direct_round(self, chunk: torch.Tensor, combine_into: CombineInto,
-                      judge: Callable[[list[list[int]]], bool] | None) -> bool:
+                      judge: Callable[[list[list[int]]], bool] | None, ring_late: bool = False) -> bool:
         """Two ranks: copy in, arrive, reduce both slots straight into ``chunk`` (in rank order)."""
         count, dtype = chunk.numel(), chunk.dtype
         first = ((self._arrivals + 1) & 1) * 2  # this arrival's set of slots
         self._slot(first + self.rank, dtype)[:count].copy_(chunk)
-        self._arrive_and_wait("copying in")
+        self._arrive_and_wait("copying in", ring_late)
         if judge is not None and not judge(self._records(self._record_length)):
             return False
         peer = self._slot(first + 1 - self.rank, dtype)[:count]
@@ -236,12 +339,13 @@ class SharedMemoryGroup:
         return True
 
     def _sliced_round(self, chunk: torch.Tensor, op: str, algorithm: str, combine: Combine,
-                      combine_into: CombineInto, judge: Callable[[list[list[int]]], bool] | None) -> bool:
+                      combine_into: CombineInto, judge: Callable[[list[list[int]]], bool] | None,
+                      ring_late: bool = False) -> bool:
         """Copy in, arrive, reduce this rank's slice into the result area, arrive, copy the result out."""
         count, dtype = chunk.numel(), chunk.dtype
         slots = [self._slot(k, dtype)[:count] for k in range(self.size)]
         slots[self.rank].copy_(chunk)
-        self._arrive_and_wait("copying in")
+        self._arrive_and_wait("copying in", ring_late)
         if judge is not None and not judge(self._records(self._record_length)):
             return False
         low, high = (count * self.rank) // self.size, (count * (self.rank + 1)) // self.size
@@ -279,6 +383,22 @@ class SharedMemoryGroup:
         words = self._words
         return [words[at + offset: at + offset + length].tolist() for at in self._record_at]
 
+    def _put_message(self, payload: bytes | memoryview, sent: int) -> None:
+        """Write ``payload``'s length and its part from byte ``sent`` where the next arrival's readers look."""
+        room = self.message_bytes - 8
+        if room <= 0:
+            raise ValueError("this group was made without a message area (message_bytes=0)")
+        mine = self._message_area(self._arrivals + 1, self.rank)
+        chunk = payload[sent: sent + room]
+        mine[:8] = len(payload).to_bytes(8, "little")
+        mine[8: 8 + len(chunk)] = chunk
+
+    def _message_area(self, arrival: int, rank: int) -> memoryview:
+        """Where ``rank`` writes its message for arrival number ``arrival`` (two areas, by its parity: a
+        rank writes an area again two arrivals later, when every rank has read it)."""
+        start = self._messages_at + ((arrival & 1) * self.size + rank) * self.message_bytes
+        return self._bytes[start: start + self.message_bytes]
+
     def _across_hosts(self, mine: torch.Tensor, op: str, algorithm: str) -> None:
         """Allreduce this rank's slice with the same local rank of the other hosts."""
         if algorithm == "auto":
@@ -291,8 +411,9 @@ class SharedMemoryGroup:
         else:
             algorithms.allreduce(mine, op, algorithm, self.cross)
 
-    def _arrive_and_wait(self, phase: str) -> None:
-        """Publish this rank's arrival, wake the ranks blocked on it, and wait for every rank's."""
+    def _arrive_and_wait(self, phase: str, ring_late: bool = False) -> None:
+        """Publish this rank's arrival, wake the ranks blocked on it, and wait for every rank's
+        (``ring_late``: ring the doorbells of those not there once the spin is over)."""
         self._arrivals += 1
         target = self._arrivals
         words = self._words
@@ -305,11 +426,12 @@ class SharedMemoryGroup:
                     break
         for at in self._counter_at:
             if words[at] < target:
-                self._wait(target, phase)
+                self._wait(target, phase, ring_late)
                 return
 
-    def _wait(self, target: int, phase: str) -> None:
-        """Spin, then block on a late peer's counter (or yield, then sleep, without futexes)."""
+    def _wait(self, target: int, phase: str, ring_late: bool = False) -> None:
+        """Spin, then block on a late peer's counter (or yield, then sleep, without futexes);
+        ``ring_late``: ring the late ranks' doorbells when the spin is over."""
         words, counters, futex = self._words, self._counter_at, self._futex
         started = time.monotonic()
         spin_until, next_liveness = started + self._spin_s, started + LIVENESS_EVERY_S
@@ -329,6 +451,9 @@ class SharedMemoryGroup:
             now = time.monotonic()
             if now < spin_until:
                 continue
+            if ring_late:
+                ring_late = False
+                self.ring([rank for rank, at in enumerate(counters) if words[at] < target])
             if now >= next_liveness:
                 next_liveness = now + LIVENESS_EVERY_S
                 self._check_peers(target, phase, now - started)
