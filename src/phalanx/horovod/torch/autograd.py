@@ -46,11 +46,17 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: type[Compressor] = NoneCompressor, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Average (or ``op``-reduce) ``tensor`` over the set; differentiable; the input is not modified."""
+    """Average (or ``op``-reduce) ``tensor`` over the set; differentiable; the input is not modified.
+    Where no gradient can flow (a metric, a loss under ``no_grad``) it skips autograd's node, which
+    costs about as much as the rest of the call's own work."""
     basics.op_name(op, average)  # validates and warns once, here
     op = op if op is not None else (Average if average is None or average else Sum)
     compressed, context = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name, process_set)
+    if torch.is_grad_enabled() and compressed.requires_grad:
+        reduced = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name, process_set)
+    else:
+        reduced = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor,
+                                              process_set))
     return compression.decompress(reduced, context)
 
 
