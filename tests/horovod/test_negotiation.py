@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +125,112 @@ def test_a_disagreement_raises_on_every_rank_and_all_stay_in_step() -> None:
     assert words.startswith("Mismatched shape beyond dim 0: rank 0: allgather(torch.float32, shape=[2, 3])"), words
     for out in (first, second):
         assert words in out["shape"], (words, out["shape"])
+
+
+def _shared_memory_and_folds() -> dict:
+    """Negotiated operations over shared memory: no Gloo allreduce; each lone allreduce folds its data
+    into the arrival that agrees on it (two rounds, an integer average in place); a disagreement is
+    refused as a fold and named on every rank; a prescaled one runs after its cycle, and 16 in flight
+    (two dtypes, two ops) travel together by dtype and op; one is in flight while the user's thread
+    runs px.allreduce in another order on each rank."""
+    import phalanx as px
+    import phalanx.horovod.torch as hvd
+    from phalanx.horovod.torch import negotiation
+
+    through_gloo, folds, together = [], {"agreed": 0, "refused": 0}, []
+    real_allreduce, real_fold, real_reduced = dist.all_reduce, negotiation.Negotiator._folded, \
+        negotiation.Negotiator._reduced
+
+    def counted(self, *args):  # noqa: ANN001, ANN202 - stands in for the method
+        exchanged = real_fold(self, *args)
+        folds["agreed" if exchanged is None else "refused"] += 1
+        return exchanged
+
+    def reduced(self, group, agreement=None):  # noqa: ANN001, ANN202 - stands in for the method
+        if agreement is None:  # agreed in a cycle, then reduced together (not a fold)
+            together.append(len(group))
+        return real_reduced(self, group, agreement)
+
+    dist.all_reduce = lambda *args, **kwargs: (through_gloo.append(1), real_allreduce(*args, **kwargs))[1]
+    negotiation.Negotiator._folded, negotiation.Negotiator._reduced = counted, reduced
+    hvd.init()
+    r = hvd.rank()
+    out = {"lone": [hvd.allreduce(torch.tensor([1.0, r]), op=hvd.Sum).tolist(),
+                    torch.equal(hvd.allreduce(torch.arange(262147, dtype=torch.float64) * (r + 1)),
+                                torch.arange(262147, dtype=torch.float64) * 1.5),
+                    hvd.allreduce_(torch.tensor([3, 4 + r]), op=hvd.Average).tolist()]}
+    out["lone_folds"] = dict(folds)
+    out["shape"] = _raised(lambda: hvd.allreduce(torch.ones(2 + r), name="shape"))
+    out["prescaled"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, prescale_factor=2.0).tolist()
+    together.clear()
+    folded_before = folds["agreed"]
+    handles = [hvd.allreduce_async(torch.full((3,), k + r, dtype=torch.int64 if k % 2 else torch.float32), name=f"f{k}",
+                                   op=hvd.Average if k % 3 else hvd.Sum) for k in range(16)]
+    out["in_flight"] = [hvd.synchronize(handle)[0].item() for handle in handles]
+    out["together"], out["folded_in_flight"] = together[:], folds["agreed"] - folded_before
+    beside = hvd.allreduce_async(torch.ones(2), name="beside", op=hvd.Sum) if r == 0 else None
+    out["px"] = px.allreduce(torch.tensor([float(r)])).item()
+    beside = beside if r == 0 else hvd.allreduce_async(torch.ones(2), name="beside", op=hvd.Sum)
+    out["beside"] = hvd.synchronize(beside).tolist()
+    out["folds"], out["gloo"] = folds, len(through_gloo)
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("threshold", ["", "0"])
+def test_a_lone_allreduce_folds_into_its_agreement_and_everything_goes_through_shared_memory(threshold: str) -> None:
+    """... and allreduces agreed in one cycle travel together, unless HOROVOD_FUSION_THRESHOLD=0."""
+    first, second = run_workers(_shared_memory_and_folds, 2, env={"HOROVOD_FUSION_THRESHOLD": threshold})
+    for rank, out in enumerate((first, second)):
+        # each of the 16 travelled with others agreed in its cycle, or folded where it was alone in one
+        assert sum(out["together"]) + out["folded_in_flight"] == 16, (out["together"], out["folded_in_flight"])
+        assert threshold == "" or set(out["together"]) <= {1}, out["together"]
+        assert out["lone"] == [[2.0, 1.0], True, [3, 4]], out["lone"]
+        assert out["lone_folds"]["agreed"] == 3, out["lone_folds"]  # each folded (maybe after a refusal: see _foldable)
+        assert out["shape"].startswith(f"HorovodMismatchError: allreduce 'shape' on rank {rank}: Mismatched shape"), out
+        assert out["folds"]["refused"] >= 1 and out["folds"]["agreed"] >= 3  # the mismatch was refused as a fold
+        assert out["prescaled"] == [4.0, 4.0]
+        assert out["in_flight"] == [(k if k % 2 else k + 0.5) if k % 3 else 2 * k + 1 for k in range(16)], out
+        assert out["in_flight"][1:3] == [1, 2.5] and isinstance(out["in_flight"][1], int)  # integers truncated
+        assert (out["px"], out["beside"], out["gloo"]) == (1.0, [2.0, 2.0], 0), out
+    assert first["shape"].split(":", 2)[2] == second["shape"].split(":", 2)[2]  # the same words on both ranks
+
+
+HIERARCHICAL_SCRIPT = """\
+    import torch
+    import phalanx.horovod.torch as hvd
+    from phalanx.horovod.torch import negotiation
+    hvd.init()
+    channel = negotiation.current()._channel
+    assert channel is not None and channel.cross is not None, "the negotiation's shared memory is not hierarchical"
+    rank = hvd.rank()
+    assert hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum).item() == 10.0
+    handles = [hvd.allreduce_async(torch.full((3,), float(rank + k)), name=f"h{k}", op=hvd.Sum) for k in range(16)]
+    assert [hvd.synchronize(handle)[0].item() for handle in handles] == [6.0 + 4 * k for k in range(16)]
+    big = torch.arange(1_100_001, dtype=torch.float64)
+    assert torch.equal(hvd.allreduce(big * (rank + 1), op=hvd.Sum), big * 10)
+    assert channel.cross_link is not None, "the slices did not cross hosts by the measured algorithm"
+    try:
+        hvd.allreduce(torch.ones(2 + (rank == 3)), name="shape")
+    except hvd.HorovodMismatchError as error:
+        assert f"on rank {rank}: Mismatched shape" in str(error), error
+    print(f"rank {rank}: negotiated across hosts ok", flush=True)
+"""
+
+
+def test_across_hosts_cycles_go_over_gloo_and_data_through_the_negotiations_own_shared_memory(
+        tmp_path: Path, two_hosts: list[str]) -> None:
+    """Two workers on each of two hosts (network namespaces): the negotiation's own hierarchical group
+    carries the agreed allreduces (its slices cross hosts by the measured algorithm); cycles still agree
+    and name a mismatch on every rank."""
+    from tests.cli.test_launcher import run_on_hosts, worker_env, write_script
+
+    script = write_script(tmp_path, "negotiated.py", HIERARCHICAL_SCRIPT)
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29547"]
+    codes, outputs = run_on_hosts(two_hosts, common, [str(script)], tmp_path, worker_env(), 120)
+    assert codes == [0, 0], outputs
+    printed = outputs[0][0] + outputs[1][0]
+    assert all(f"rank {r}: negotiated across hosts ok" in printed for r in range(4)), printed
 
 
 class _NoPickle:

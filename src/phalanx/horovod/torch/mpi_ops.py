@@ -7,7 +7,9 @@ process set had since the last ``barrier`` or ``join``, or the generation's star
 elastic reset), so ranks may submit them in different orders. ``synchronize(handle)`` waits and
 returns the result, or raises the operation's error: ranks that disagree on dtype, shape, op or
 root all raise :class:`HorovodMismatchError`, with the same message. Having compared the records,
-the negotiation starts phalanx's collectives without their own cross-rank check (``check=False``).
+the negotiation starts phalanx's collectives without their own cross-rank check (``check=False``);
+an allreduce of one CPU tensor without prescaling also says how its data may travel with its
+agreement instead (:class:`~phalanx.horovod.torch.negotiation.Fold`).
 A name still being processed on this rank (submitted and not completed) raises ``ValueError`` at
 once, on this rank only.
 """
@@ -22,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from phalanx.comm import collectives, runtime
+from phalanx.comm import collectives, runtime, wire
 from phalanx.comm.communicator import Attachment
 from phalanx.errors import ConfigurationError
 from phalanx.horovod.torch import basics, negotiation, timeline
@@ -81,11 +83,13 @@ def _operations() -> _Operations:
 
 
 def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negotiation.Launch,
-            finish: Finish = lambda result: result, tensors: Sequence[torch.Tensor] = (), **agreed: Any) -> int:
+            finish: Finish = lambda result: result, tensors: Sequence[torch.Tensor] = (),
+            fold: negotiation.Fold | None = None, **agreed: Any) -> int:
     """Submit an operation of ``process_set`` to the negotiation; return its handle.
 
     ``agreed``: what every rank must pass alike (op, scale factors, root), beside the tensors'
-    dtypes, shapes and devices.
+    dtypes, shapes and devices. ``fold``: how the data of an allreduce over the whole job may travel
+    with its agreement (ignored for a process set's).
     """
     basics.require_init()
     scope_of(process_set)  # a registered set this rank belongs to
@@ -106,7 +110,7 @@ def _submit(kind: str, name: str | None, process_set: ProcessSet, launch: negoti
               "shapes": [list(t.shape) for t in tensors], "devices": [t.device.type for t in tensors],
               **{what: _plain(value) for what, value in agreed.items()}}
     details = {"shapes": record["shapes"], "dtype": record["dtypes"][0]} if timeline.active() and tensors else {}
-    submission = negotiation.Submission((set_id, label), record, launch)
+    submission = negotiation.Submission((set_id, label), record, launch, fold if set_id == 0 else None)
     handle = next(_handles)
     operations.pending[handle] = _Pending(kind, label, name is not None, negotiation.current().submit(submission),
                                           finish, timeline.now_us(), details)
@@ -190,23 +194,33 @@ def _summed_then_scaled(op: str, dtype: torch.dtype, postscale: float, size: int
 
 
 def _allreduce_plan(tensor: torch.Tensor, output: torch.Tensor, op: str, prescale: float, postscale: float,
-                    size: int) -> tuple[negotiation.Launch, Finish]:
-    """How to start reducing ``tensor`` into ``output``, and what to do with the result."""
+                    size: int) -> tuple[negotiation.Launch, Finish, negotiation.Fold | None]:
+    """How to start reducing ``tensor`` into ``output``, what to do with the result, and how its data may
+    go with the agreement instead (a CPU tensor without prescaling, whose in-place preparation can be
+    repeated; see :class:`~phalanx.horovod.torch.negotiation.Fold`)."""
     sent, after = _summed_then_scaled(op, tensor.dtype, postscale, size)
 
-    def launch() -> Any:
+    def copied() -> torch.Tensor:
         if output is not tensor:
             output.copy_(tensor)
-        scale_(output, prescale)
-        return collectives.allreduce_(output, sent, async_op=True, check=False)
+        return output
 
-    return launch, _scaled(after)
+    def launch() -> Any:
+        return collectives.allreduce_(scale_(copied(), prescale), sent, async_op=True, check=False, algorithm="auto")
+
+    try:
+        plan = wire.reduction(tensor.dtype, sent, "allreduce")
+    except ConfigurationError:  # a dtype that cannot be reduced: the launch raises it on every rank
+        plan = None
+    foldable = plan is not None and prescale == 1.0 and not tensor.is_cuda and tensor.numel() > 0
+    fold = negotiation.Fold(lambda: copied().detach(), sent, plan, output) if foldable else None
+    return launch, _scaled(after), fold
 
 
 def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None, op: str, prescale: float,
                      postscale: float, process_set: ProcessSet) -> int:
-    launch, finish = _allreduce_plan(tensor, output, op, prescale, postscale, set_size(process_set))
-    return _submit("allreduce", name, process_set, launch, finish, [tensor], op=op, prescale=prescale,
+    launch, finish, fold = _allreduce_plan(tensor, output, op, prescale, postscale, set_size(process_set))
+    return _submit("allreduce", name, process_set, launch, finish, [tensor], fold=fold, op=op, prescale=prescale,
                    postscale=postscale)
 
 
@@ -248,7 +262,7 @@ def _grouped_allreduce_plan(tensors: Sequence[torch.Tensor], outputs: Sequence[t
         for indices in groups.values():
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
             flats.append(scale_(flat, prescale))
-        return AllOf([collectives.allreduce_(flat, sent, async_op=True, check=False)
+        return AllOf([collectives.allreduce_(flat, sent, async_op=True, check=False, algorithm="auto")
                       for flat, (sent, _) in zip(flats, reductions)])
 
     def finish(_: Any) -> list[torch.Tensor]:
