@@ -1,15 +1,17 @@
 """Time to a validation loss over a slow link: px.DataParallel against local SGD and DiLoCo.
 
     python benchmarks/bench_slow_link.py                  # one host, 1 Gbit/s and 100 Mbit/s (root)
-    python benchmarks/bench_slow_link.py --quick          # a 1-2 minute smoke run
+    python benchmarks/bench_slow_link.py --quick          # a 1-2 minute smoke run (50 steps)
     python benchmarks/bench_slow_link.py --settings 100mbit --reps 2
 
 Two workers train a small causal transformer language model (byte level, 256 symbols) on a real
 text corpus: the English text of Python's own documentation shipped with the interpreter
 (``pydoc_data.topics.topics``, the topics joined in sorted order, about 465 KB), the first 95 %
-for training and the last 5 % for validation, cut into windows of ``--context`` bytes. Every
-variant trains ``--steps`` steps (S) at the same global batch with Adam, from the same seed (the
-same initial weights and the same order of batches), through ``px.fit``:
+for training and the last 5 % for validation, cut into windows of ``--context`` bytes. The
+default model (width 128, 2 layers, context 64: 470,784 parameters, 1.88 MB per fp32 allreduce)
+and global batch (8 windows, 4 per worker) make the allreduce most of a px.DataParallel step at
+100 Mbit/s. Every variant trains ``--steps`` steps (S) at the same global batch with Adam, from
+the same seed (the same initial weights and the same order of batches), through ``px.fit``:
 
   dp          px.DataParallel: every gradient allreduced every step (fp32)
   dp-bf16     px.DataParallel(model, reduction="bf16"): half the bytes
@@ -23,7 +25,8 @@ Network settings: ``host`` (both workers on this host: phalanx's shared-memory t
 ``1gbit`` and ``100mbit`` (each worker in its own network namespace, joined by a veth shaped with
 tbf: bench_ddp.py's netns_up, needs root; the namespaces are removed afterwards whatever happens).
 Each setting is one job of two workers (one intra-op thread each) in which the variants take
-turns, in a shuffled order per repetition (the same on every rank).
+turns, in a shuffled order per repetition (the same on every rank), after ``--warmup`` untimed dp
+steps (a job's first steps over a new link are seconds slower).
 
 Every ``--eval-every`` steps (E, a multiple of every period but streaming's, so that the workers
 hold the same weights there) the validation loss of the *average of the workers' weights* is
@@ -220,28 +223,35 @@ def worker_main(config_path: str) -> None:
         config = json.load(handle)
     px.init(backend="gloo")
     train_x, train_y, val_x, val_y = corpus_windows(config["context"])
-    train = torch.utils.data.TensorDataset(train_x, train_y)
+    train_data = torch.utils.data.TensorDataset(train_x, train_y)
     scorer = Scorer(config, val_x, val_y)
     batch = config["global_batch"]
-    epochs = math.ceil(config["steps"] / (len(train) // batch))
     curves: dict[str, list[list[tuple[int, float, float]]]] = {name: [] for name in config["variants"]}
+
+    def train(name: str, steps: int, every: int) -> list[tuple[int, float, float]]:
+        torch.manual_seed(config["seed"])
+        model = build_model(config["width"], config["layers"], config["context"])
+        trained, strategy = wrap_variant(name, model, config["topk_ratio"])
+        curve = Curve(model, scorer, steps, every)
+        px.fit(trained, torch.optim.Adam(model.parameters(), lr=config["lr"]), lm_loss, train_data,
+               epochs=math.ceil(steps / (len(train_data) // batch)), global_batch_size=batch, seed=config["seed"],
+               callbacks=[curve], strategy=strategy, verbose=0)
+        return curve.points
+
+    # The job's first steps over a new link are slower (by seconds at 100 Mbit/s): untimed, before any variant.
+    train("dp", config["warmup"], config["warmup"])
     for rep in range(config["reps"]):
         order = list(config["variants"])
         random.Random(rep).shuffle(order)  # same order on every rank; no variant always follows another
         for name in order:
-            torch.manual_seed(config["seed"])
-            model = build_model(config["width"], config["layers"], config["context"])
-            trained, strategy = wrap_variant(name, model, config["topk_ratio"])
-            curve = Curve(model, scorer, config["steps"], config["eval_every"])
-            px.fit(trained, torch.optim.Adam(model.parameters(), lr=config["lr"]), lm_loss, train, epochs=epochs,
-                   global_batch_size=batch, seed=config["seed"], callbacks=[curve], strategy=strategy, verbose=0)
-            curves[name].append(curve.points)
+            curves[name].append(train(name, config["steps"], config["eval_every"]))
+            points = curves[name][-1]
             if px.rank() == 0:
                 print(f"  [{config['setting']}] rep {rep + 1}/{config['reps']} {name}: "
-                      f"{curve.points[-1][1]:.1f} s, val loss {curve.points[-1][2]:.4f}", file=sys.stderr, flush=True)
+                      f"{points[-1][1]:.1f} s, val loss {points[-1][2]:.4f}", file=sys.stderr, flush=True)
     if px.rank() == 0:
         with open(config["result_path"], "w") as handle:
-            json.dump({"curves": curves, "train_windows": len(train), "val_windows": len(val_x)}, handle)
+            json.dump({"curves": curves, "train_windows": len(train_data), "val_windows": len(val_x)}, handle)
     px.shutdown()
 
 
@@ -254,7 +264,7 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     """One job of two workers on ``setting`` (namespaces made and removed here); rank 0's report."""
     workdir = tempfile.mkdtemp(prefix="px-slow-link-")
     config = {"setting": setting, "variants": args.variants, "reps": args.reps, "steps": args.steps,
-              "eval_every": args.eval_every, "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed,
+              "eval_every": args.eval_every, "warmup": args.warmup, "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed,
               "width": args.width, "layers": args.layers, "context": args.context, "topk_ratio": args.topk_ratio,
               "result_path": os.path.join(workdir, "result.json")}
     config_path = os.path.join(workdir, "config.json")
@@ -337,22 +347,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="dp is always measured")
-    parser.add_argument("--steps", type=int, default=400, help="training steps per variant (S)")
+    parser.add_argument("--steps", type=int, default=500, help="training steps per variant (S)")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between validations (E), a multiple of 50")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed dp steps at the start of each job")
     parser.add_argument("--reps", type=int, default=1, help="repetitions (alternations)")
-    parser.add_argument("--global-batch", type=int, default=16, help="windows per step over both workers")
+    parser.add_argument("--global-batch", type=int, default=8,
+                        help="windows per step over both workers (4 each: the allreduce dominates at 100 Mbit/s)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (the inner one)")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=64, help="bytes per window")
     parser.add_argument("--topk-ratio", type=float, default=0.01, help="share of each bucket px.TopK sends")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="100 steps, validation every 50: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="50 steps, validated once: a smoke run")
     parser.add_argument("--json", help="also write the raw curves to this file")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per setting before giving up")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.eval_every, args.reps = 100, 50, 1
+        args.steps, args.eval_every, args.reps, args.warmup = 50, 50, 1, 10
     args.variants = ["dp", *(v for v in args.variants if v != "dp")]
     if args.eval_every % math.lcm(*PERIODS.values()) or args.steps % args.eval_every:
         parser.error("--eval-every must be a multiple of 50 (the workers agree there) and divide --steps")
