@@ -93,7 +93,8 @@ SLOT = 1024  # bytes of each rank's records that travel in a cycle's first allga
 MESSAGE_BYTES = 64 << 10  # shared memory: each rank's room for its records in one arrival of a cycle
 IDLE_WAIT_S = 1.0  # shared memory: the longest sleep of an idle thread on its doorbell before it looks again
 CALLER_GRACE_S = 2e-3  # shared memory: how long the thread leaves a due cycle to this rank's active callers
-ACTIVE_S = 0.01  # shared memory: callers count as active this long after a submission (the thread looks every ms)
+ACTIVE_S = 0.01  # shared memory: callers count as active this long after a submission...
+ACTIVE_POLL_S = 1e-3  # ...and meanwhile the thread looks this often, unrung
 MAX_PAUSE_S = 0.01  # without a store: the longest sleep between idle cycles
 BELL_WAIT = datetime.timedelta(days=1)  # a doorbell wait's timeout: rung long before (torch logs each one)
 LIVENESS_S = 1.0  # a rank that waits for an operation rings a cycle this often, to notice a dead peer
@@ -291,7 +292,7 @@ class Negotiator:
                     "rank %d has waited %gs for %s '%s': rank(s) %s have not submitted it yet. Every rank of the "
                     "process set must submit it; it fails after %gs.", self.rank, waited, kind, name,
                     self._missing(submission), self.stall_s)
-        if not self._awaited(submission.future, self.stall_s - waited):
+        if not submission.future.done() and not self._awaited(submission.future, self.stall_s - waited):
             with self._lock:
                 self._overdue.append(submission)
                 self._ring()
@@ -405,7 +406,7 @@ class Negotiator:
             if not self._due():
                 due_since = math.inf
                 if active:  # look again soon, so that the callers' submissions need no ring
-                    channel.wait_bell(seen, 1e-3)
+                    channel.wait_bell(seen, ACTIVE_POLL_S)
                 else:
                     self._nap(seen)
                 continue
@@ -640,9 +641,10 @@ class Negotiator:
             self._channel.allreduce_(flat, op, "auto", agreement, b"")
         if op == "avg":
             flat.div_(self.size)  # as the collectives average
-        for submission, fold, tensor, wire, piece in zip(group, folds, prepared, wires,
-                                                         flat.split([w.numel() for w in wires])):
-            plan.decode(piece.view(wire.shape), tensor)
+        pieces = wires if len(wires) == 1 else [piece.view(wire.shape) for piece, wire in
+                                                 zip(flat.split([wire.numel() for wire in wires]), wires)]
+        for submission, fold, tensor, piece in zip(group, folds, prepared, pieces):
+            plan.decode(piece, tensor)
             submission.future.set_result(done(fold.output, True))
 
     def _gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
