@@ -32,7 +32,8 @@ Every ``--eval-every`` steps (E, a multiple of every period but streaming's, so 
 hold the same weights there) the validation loss of the *average of the workers' weights* is
 computed (for streaming DiLoCo, whose fragments are merged at staggered steps, that average is
 what is scored); the time this takes, the averaging included, is left out of the training wall
-time. Reported per setting: each variant's training wall time for S steps, its validation loss
+time. Reported per setting: each variant's training wall time for S steps (and its ratio to
+dp's: on one host, what the variant costs or saves per step), its validation loss
 after S steps (an equal number of samples) and its ratio to dp's, and the training wall time at
 which it first reached, at an evaluation point, the loss dp reaches after S steps ("not reached"
 when it does not within S steps) with the speed-up against dp's time for S steps; medians over
@@ -301,6 +302,7 @@ def summarize(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         found = [(hit, dp_time) for hit, dp_time in hits if hit is not None]
         summary[name] = {
             "time": statistics.median(times), "loss": statistics.median(losses),
+            "time_ratio": statistics.median(t / ref[-1][1] for t, ref in zip(times, reference)),
             "ratio": statistics.median(ratios), "reached": len(found), "reps": len(reps),
             "to_target": statistics.median(hit for hit, _ in found) if found else None,
             "speedup": statistics.median(dp_time / hit for hit, dp_time in found) if found else None}
@@ -311,9 +313,9 @@ def print_table(setting: str, summary: dict[str, dict[str, Any]], args: argparse
     """One markdown table for a network setting (see the module docstring for the columns)."""
     print(f"\n### {setting}: 2 workers, {args.steps} steps of global batch {args.global_batch}, "
           f"{args.reps} rep(s)\n")
-    print("| variant | sent/step/worker | train s (S steps) | ms/step | val loss @S | vs dp | "
+    print("| variant | sent/step/worker | train s (S steps) | ms/step | time vs dp | val loss @S | vs dp | "
           "time to dp's loss @S | speed-up vs dp |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in summary.items():
         if row["to_target"] is None:
             to_target, speedup = "not reached", "-"
@@ -321,7 +323,7 @@ def print_table(setting: str, summary: dict[str, dict[str, Any]], args: argparse
             partial = f" ({row['reached']}/{row['reps']} reps)" if row["reached"] < row["reps"] else ""
             to_target, speedup = f"{row['to_target']:.1f} s{partial}", f"{row['speedup']:.2f}x"
         print(f"| {name} | {bytes_per_step(name, params, args.topk_ratio) / 1e6:.3f} MB | {row['time']:.1f} | "
-              f"{row['time'] / args.steps * 1e3:.0f} | {row['loss']:.4f} | {row['ratio']:.3f} | {to_target} | "
+              f"{row['time'] / args.steps * 1e3:.0f} | {row['time_ratio']:.2f} | {row['loss']:.4f} | {row['ratio']:.3f} | {to_target} | "
               f"{speedup} |")
     sys.stdout.flush()
 
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="dp is always measured")
-    parser.add_argument("--steps", type=int, default=500, help="training steps per variant (S)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per variant (S)")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between validations (E), a multiple of 50")
     parser.add_argument("--warmup", type=int, default=20, help="untimed dp steps at the start of each job")
     parser.add_argument("--reps", type=int, default=1, help="repetitions (alternations)")
