@@ -265,8 +265,8 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     """One job of two workers on ``setting`` (namespaces made and removed here); rank 0's report."""
     workdir = tempfile.mkdtemp(prefix="px-slow-link-")
     config = {"setting": setting, "variants": args.variants, "reps": args.reps, "steps": args.steps,
-              "eval_every": args.eval_every, "warmup": args.warmup, "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed,
-              "width": args.width, "layers": args.layers, "context": args.context, "topk_ratio": args.topk_ratio,
+              "eval_every": args.eval_every, "warmup": args.warmup, "global_batch": args.global_batch, "lr": args.lr,
+              "seed": args.seed, "width": args.width, "layers": args.layers, "context": args.context, "topk_ratio": args.topk_ratio,
               "result_path": os.path.join(workdir, "result.json")}
     config_path = os.path.join(workdir, "config.json")
     with open(config_path, "w") as handle:
@@ -323,8 +323,8 @@ def print_table(setting: str, summary: dict[str, dict[str, Any]], args: argparse
             partial = f" ({row['reached']}/{row['reps']} reps)" if row["reached"] < row["reps"] else ""
             to_target, speedup = f"{row['to_target']:.1f} s{partial}", f"{row['speedup']:.2f}x"
         print(f"| {name} | {bytes_per_step(name, params, args.topk_ratio) / 1e6:.3f} MB | {row['time']:.1f} | "
-              f"{row['time'] / args.steps * 1e3:.0f} | {row['time_ratio']:.2f} | {row['loss']:.4f} | {row['ratio']:.3f} | {to_target} | "
-              f"{speedup} |")
+              f"{row['time'] / args.steps * 1e3:.0f} | {row['time_ratio']:.2f} | {row['loss']:.4f} | "
+              f"{row['ratio']:.3f} | {to_target} | {speedup} |")
     sys.stdout.flush()
 
 
