@@ -266,7 +266,8 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="px-slow-link-")
     config = {"setting": setting, "variants": args.variants, "reps": args.reps, "steps": args.steps,
               "eval_every": args.eval_every, "warmup": args.warmup, "global_batch": args.global_batch, "lr": args.lr,
-              "seed": args.seed, "width": args.width, "layers": args.layers, "context": args.context, "topk_ratio": args.topk_ratio,
+              "seed": args.seed, "width": args.width, "layers": args.layers, "context": args.context,
+              "topk_ratio": args.topk_ratio,
               "result_path": os.path.join(workdir, "result.json")}
     config_path = os.path.join(workdir, "config.json")
     with open(config_path, "w") as handle:
