@@ -9,6 +9,8 @@ traceback and output. Results come back as a list indexed by rank.
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
@@ -45,8 +47,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     results: Any = _CONTEXT.Queue()
     ports: Any = _CONTEXT.Queue()
     worker_env = {"PHALANX_TIMEOUT": str(collective_timeout), **(env or {})}
+    dump_after = max(timeout - 5.0, 1.0)  # a worker still running then writes every thread's stack to its log
     procs = [_CONTEXT.Process(target=_worker, args=(fn, args, rank, world_size, ports, worker_env,
-                                                     results, logs[rank]), daemon=True)
+                                                     results, logs[rank], dump_after), daemon=True)
              for rank in range(world_size)]
     for proc in procs:  # fork before any thread exists here: the store below runs one
         proc.start()
@@ -118,8 +121,12 @@ def _kill(procs: list) -> None:
 
 
 def _worker(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, ports: Any,
-            env: dict[str, str], results: Any, log: str) -> None:
+            env: dict[str, str], results: Any, log: str, dump_after: float) -> None:
+    # What the pytest process made before the fork (a test's store, a group with its threads) is never
+    # collected here: its destructor would join threads that a forked child does not have.
+    gc.freeze()
     _redirect_output(log)
+    faulthandler.dump_traceback_later(dump_after)  # a hang shows where every thread waits
     port = ports.get(timeout=60)
     os.environ.update(env)
     os.environ.update({
