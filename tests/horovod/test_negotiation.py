@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -141,14 +142,18 @@ def _shared_memory_and_folds() -> dict:
     real_allreduce, real_fold, real_reduced = dist.all_reduce, negotiation.Negotiator._folded, \
         negotiation.Negotiator._reduced
 
+    counting = threading.Lock()  # cycles run on the caller's thread and on the negotiation's
+
     def counted(self, *args):  # noqa: ANN001, ANN202 - stands in for the method
         exchanged = real_fold(self, *args)
-        folds["agreed" if exchanged is None else "refused"] += 1
+        with counting:
+            folds["agreed" if exchanged is None else "refused"] += 1
         return exchanged
 
     def reduced(self, group, agreement=None):  # noqa: ANN001, ANN202 - stands in for the method
         if agreement is None:  # agreed in a cycle, then reduced together (not a fold)
-            together.append(len(group))
+            with counting:
+                together.append(len(group))
         return real_reduced(self, group, agreement)
 
     dist.all_reduce = lambda *args, **kwargs: (through_gloo.append(1), real_allreduce(*args, **kwargs))[1]
