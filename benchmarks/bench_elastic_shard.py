@@ -16,7 +16,8 @@ over --steps steps after 3 of warm-up; the commit's share is that of the copies 
 level without them. Recovery: the same job (copies on) with rank 1 SIGKILLed after its 6th step's
 end, before the commit (``PHALANX_FAULTS=step.end@1#6``); rank 0 reports the time from the launcher
 seeing the death to the next completed step. Held bytes per parameter: what each worker holds for
-parameters, gradients and Adam's state (phalanx.strategies.base.held_bytes) and what the copies add.
+parameters, gradients and Adam's state between steps and what the commits' copies add
+(phalanx.strategies.base.held_per_worker and elastic_copies_per_worker, which phalanx doctor uses).
 """
 
 from __future__ import annotations
@@ -90,10 +91,12 @@ def launch(level: int, copies: bool, workers: int, steps: int, kill: bool) -> di
 
 
 def held_per_parameter(level: int, workers: int) -> tuple[float, float]:
-    """Bytes a worker holds per parameter (Adam, float32) and what the copies add (two slots of its chunks)."""
-    own = {0: 16.0, 1: 8 + 8 / workers, 2: 4 + 12 / workers, 3: 16 / workers}[level]
-    copies = 12.0 if level == 0 else 2 * 12 / workers  # level 0: the State's whole copy
-    return own, copies
+    """Bytes a worker holds per parameter (Adam, float32, on one host: px.Sharded's units in shared
+    memory) and what the elastic commits add, from the one place phalanx writes them down."""
+    from phalanx.strategies.base import elastic_copies_per_worker, held_per_worker
+
+    held = held_per_worker(4.0, 8.0, level, workers, shared=True).total
+    return held, elastic_copies_per_worker(4.0, 8.0, level, workers, one_host=True)
 
 
 def main() -> None:
