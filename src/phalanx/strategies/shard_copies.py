@@ -55,7 +55,6 @@ class Segment:
     the slots' version stamps (``stamps[slot, rank]``)."""
 
     entries: list[Entry]
-    world: int
     arena: torch.Tensor
     stamps: torch.Tensor
     offsets: dict[tuple[int, int, int], int]  # (slot, rank, entry index) -> byte offset
@@ -81,8 +80,13 @@ class HostCopies:
     """Each rank's committed chunks, in host shared memory (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.current: Segment | None = None
-        self.previous: Segment | None = None  # kept until a commit in ``current`` is whole everywhere
+        self.segments: list[Segment] = []  # newest last; older ones kept until a commit in the newest is whole
+        self.retired = True  # the next commit opens a segment of its own (every member of a new group does)
+
+    def retire(self) -> None:
+        """A re-formed group commits into a segment of its own (a joiner does not map the old one); the
+        old ones stay readable until then."""
+        self.retired = True
 
     def commit(self, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
                positions: dict[int, int]) -> None:
@@ -90,9 +94,10 @@ class HostCopies:
         the slot of ``version`` and stamp it; ``positions`` maps a parameter's id to its position
         among the model's. Collective (ends with a barrier)."""
         entries = _entries(units, state, positions)
-        if self.current is None or self.current.entries != entries or self.current.world != runtime.size():
-            self.previous, self.current = self.current, _segment(entries)
-        segment, slot, rank = self.current, version % 2, runtime.rank()
+        if self.retired or self.segments[-1].entries != entries:
+            self.segments.append(_segment(entries))
+            self.retired = False
+        segment, slot, rank = self.segments[-1], version % 2, runtime.rank()
         segment.stamps[slot, rank] = -1  # torn until the copy below is done
         for index, entry in enumerate(entries):
             unit = units[entry.unit]
@@ -102,18 +107,15 @@ class HostCopies:
                 faults.point("commit.copies")
         segment.stamps[slot, rank] = version
         collectives.barrier()
-        self.previous = None
+        del self.segments[:-1]
 
     def holding(self, version: int) -> Segment | None:
-        """The segment whose slot for ``version`` is whole for every old rank, if this worker maps one."""
-        for segment in (self.current, self.previous):
-            if segment is not None and segment.whole(version % 2, version):
+        """The newest segment whose slot for ``version`` is whole for every rank it was made for, if this
+        worker maps one."""
+        for segment in reversed(self.segments):
+            if segment.whole(version % 2, version):
                 return segment
         return None
-
-    def forget(self) -> None:
-        """Drop every segment (copies turned off, or the job ended)."""
-        self.current = self.previous = None
 
 
 def rebuild(copies: HostCopies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
@@ -211,7 +213,7 @@ def _segment(entries: list[Entry]) -> Segment:
         stamps.fill_(-1)
     collectives.barrier()
     logger.debug("px.Sharded: committed copies in a host segment of %d bytes", end)
-    return Segment(entries, world, arena, stamps, offsets)
+    return Segment(entries, arena, stamps, offsets)
 
 
 def _check_same_parameters(entries: list[Entry], places: dict[int, tuple[int, int]]) -> None:

@@ -351,6 +351,8 @@ class _Committed:
 
     def reshard(self, rank: int, world_size: int) -> None:
         self.strategy.follow_group(self.model, self.optimizer)
+        if self.strategy.copies is not None:
+            self.strategy.copies.retire()
 
     def _positions(self) -> dict[int, int]:
         """Each parameter's position among the model's (the same in every process)."""
