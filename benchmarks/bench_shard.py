@@ -70,6 +70,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ddp import MODEL_SPECS, ForeignLoad, build_model, timed_step  # noqa: E402
 
+from phalanx.doctor.footprint import shared_ranges  # noqa: E402  (the doctor counts shared memory as this does)
+
 VARIANTS = ["ddp", "px", "s1", "s2", "s3", "s1x", "s2x", "s3x", "zero", "fsdp2"]
 MEMORY_SPEC = {"batch": 32, "input": [2048], "classes": 10}
 MEMORY_STEPS = 3
@@ -173,18 +175,6 @@ def _storages(tensors: Any) -> dict[int, int]:
     return found
 
 
-def _shared_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process's shared mappings (shared-memory segments, files mapped shared)."""
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, perms = line.split()[:2]
-            if perms[3] == "s":
-                lo, hi = span.split("-")
-                ranges.append((int(lo, 16), int(hi, 16)))
-    return ranges
-
-
 def _reachable() -> dict[int, int]:
     """Every tensor storage Python can reach (after a collection of reference cycles)."""
     gc.collect()
@@ -208,7 +198,7 @@ def held(variant: str, model: nn.Module, optimizer: Any, others: dict[int, int] 
     state = [value for entry in inner.state.values() for value in entry.values()]
     counted: dict[int, int] = {}
     sizes = {}
-    shared = _shared_ranges()
+    shared = shared_ranges()
     for name, tensors in (("params", params), ("grads", grads), ("state", state)):
         mine = {ptr: n for ptr, n in _storages(tensors).items() if ptr not in counted}
         counted.update(mine)

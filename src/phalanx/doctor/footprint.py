@@ -52,7 +52,7 @@ def held(optimizer: torch.optim.Optimizer, models: Iterable[DataParallel]) -> tu
     grads: list[Any] = [p.grad for p in params]
     grads += [flat for model in engines.values() for flat in model.reducer.gradient_buffers]
     state = [value for entry in optimizer.state.values() for value in entry.values()]
-    shared, share = _shared_ranges(), 1 / (runtime.local_size() if runtime.is_initialized() else 1)
+    shared, share = shared_ranges(), 1 / (runtime.local_size() if runtime.is_initialized() else 1)
     counted: dict[int, int] = {}
     found: dict[str, Any] = {}
     for kind, tensors in (("parameters", params), ("gradients", grads), ("optimizer_state", state)):
@@ -181,7 +181,7 @@ def _storages(tensors: Iterable[Any]) -> dict[int, int]:
     return found
 
 
-def _shared_ranges() -> list[tuple[int, int]]:
+def shared_ranges() -> list[tuple[int, int]]:
     """Address ranges of this process's shared mappings (Linux; elsewhere none is known)."""
     ranges = []
     try:
