@@ -82,6 +82,31 @@ def test_each_level_trains_as_data_parallel(world_size: int, level: int, options
     assert unsharded["history"]["accuracy"][-1] > 0.6
 
 
+def _short_last_step(level: int) -> dict[str, Any]:
+    """62 samples in global batches of 30 at 4 workers: the last step's 2 samples leave two workers
+    without any, and with accumulate_steps=2 the other two a chunk of one sample and an empty one; the
+    3 validation samples leave a worker without any too. Level 3 with each worker its own copy of the
+    units (as between hosts) gathers every block in every pass."""
+    (x, y), model = _dataset(), _model()
+    strategy = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=False) if level else None
+    history = px.fit(model, _adam(model), F.cross_entropy, (x[:62], y[:62]), val_data=(x[62:65], y[62:65]),
+                     epochs=2, global_batch_size=30, accumulate_steps=2, verbose=0, strategy=strategy)
+    return {"weights": _weights(model), "history": history.history}
+
+
+def _unsharded_and_level_3_short() -> tuple[dict[str, Any], dict[str, Any]]:
+    return _short_last_step(0), _short_last_step(3)
+
+
+def test_level_3_gathers_on_a_worker_without_samples_and_trains_as_data_parallel() -> None:
+    for unsharded, sharded in run_workers(_unsharded_and_level_3_short, 4, timeout=150):
+        for name, value in unsharded["weights"].items():
+            torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-5, atol=1e-6)
+        for key, values in unsharded["history"].items():
+            assert sharded["history"][key] == pytest.approx(values, rel=1e-5)
+    assert "val_loss" in unsharded["history"]
+
+
 def _every_level(options: dict[str, Any], unsharded: bool, own_copies: bool) -> dict[Any, dict[str, torch.Tensor]]:
     """Weights after training at each level (0 too where ``unsharded``; with ``own_copies`` also each
     level with every worker its own copy of the units, keyed ``(level, "own copies")``)."""

@@ -72,6 +72,10 @@ class DataParallel(nn.Module):
         self._check_finite = check_finite
         self._graph_breaks: list[RemovableHandle] = []  # torch.compile's, where buckets begin
         self.reducer = self._make_reducer(threshold)
+        #: Whether hooks of the model issue collectives inside its forward and backward (set by the
+        #: strategy that adds them: px.Sharded's level 3 gathers each block there). A rank without
+        #: samples, or with fewer than ``accumulate_steps``, then still runs every pass, on no rows.
+        self.passes_without_data = False
 
     def _replicate(self) -> None:
         """Check that every rank built the same model, then give every replica rank 0's state."""

@@ -510,6 +510,8 @@ class Sharded(Strategy):
         else:
             units = reduced = lay_out(optimizer, wrapped.module, self.fusion_threshold_mb)
         shared = shared and bool(units)
+        # the gathers are collectives inside the passes: a rank without samples runs them too
+        wrapped.passes_without_data = self.gathering is not None and not self.gathering.whole_between_steps
         if shared:  # once per host: a chunk is every worker's share of it, and nothing is gathered
             for unit, view in zip(units, host_memory.shared_copies([u.flat for u in units], 0, "sharded")):
                 unit.adopt(view)

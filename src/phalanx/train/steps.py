@@ -57,7 +57,7 @@ def train_step(state: TrainState, batch: Any) -> bool:
             guard.fail(cause=error)
             return False
         counts = [(outputs, micro_targets, loss, len(micro_targets)) for outputs, micro_targets, loss in results]
-    elif samples_in(batch) == 0:
+    elif samples_in(batch) == 0 and not state.model.passes_without_data:
         state.model.reduce_without_data()
     else:
         counts = _backward_in_chunks(state, batch)
@@ -83,20 +83,41 @@ def _parameters(optimizer: Any) -> list[torch.Tensor]:
 def _backward_in_chunks(state: TrainState, batch: Any) -> list[tuple[Any, Any, torch.Tensor, int]]:
     """Forward and backward the batch's samples in ``state.accumulate_steps`` chunks, reducing over
     ranks only in the last: the gradient of the whole batch's mean loss, with one chunk's memory.
-    Each chunk's ``(outputs, targets, loss, samples)``, for the metrics once the step is taken."""
+    Each chunk's ``(outputs, targets, loss, samples)``, for the metrics once the step is taken.
+
+    A model whose hooks issue collectives inside its passes (``passes_without_data``) runs every
+    chunk on every rank, an empty one as a pass without data, so that all ranks issue the same ones."""
     samples = samples_in(batch)
-    chunks = min(state.accumulate_steps, samples)
+    every_pass = state.model.passes_without_data
+    chunks = state.accumulate_steps if every_pass else min(state.accumulate_steps, samples)
     parts = split_samples(batch, chunks, state.accumulate_steps) if chunks > 1 else [batch]
     counts = []
     for index, part in enumerate(parts):
-        share = samples_in(part) / samples
         with state.model.no_sync() if index < chunks - 1 else contextlib.nullcontext():
+            if samples_in(part) == 0:
+                _pass_without_data(state, part)
+                continue
+            share = samples_in(part) / samples
             with state.precision.autocast():
                 loss, outputs, targets = checked(state.training_step(part), part, state.metrics)
             watched = state.guard.for_backward(loss)
             state.precision.backward(watched * share if share != 1 else watched)
         counts.append((outputs, targets, loss, samples_in(part)))
     return counts
+
+
+def _pass_without_data(state: TrainState, batch: Any) -> None:
+    """The forward and backward of a zero-row batch, adding nothing to the gradient: this rank still
+    issues the collectives the model's hooks issue inside its passes (``px.Sharded``'s level 3 gathers
+    each block there). The loss of no sample (NaN, for a mean) is multiplied by zero before the backward,
+    and the model's buffers (BatchNorm's count of batches) are put back as they were."""
+    buffers = [(buffer, buffer.clone()) for buffer in state.model.buffers()]
+    with state.precision.autocast():
+        loss, _, _ = checked(state.training_step(batch), batch, [])
+    (loss * 0).backward()
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
 
 
 class ManualStep:
@@ -227,20 +248,24 @@ def evaluate_batches(model: nn.Module, step: BatchStep, loader: Any, metrics: li
     model.eval()
     for metric in metrics:
         metric.reset()
+    empty_too = getattr(model, "passes_without_data", False)  # a plain module (px.evaluate's) has no hooks
     for batch in loader:
-        evaluate_batch(batch, step, metrics, precision)
+        evaluate_batch(batch, step, metrics, precision, empty_too=empty_too)
     model.train(was_training)
     return reduce_metrics(metrics, prefix)
 
 
-def evaluate_batch(batch: Any, step: BatchStep, metrics: list[Metric], precision: Precision | None) -> None:
-    """Add one batch's loss and outputs on this worker to ``metrics`` (forward and loss in ``precision``)."""
+def evaluate_batch(batch: Any, step: BatchStep, metrics: list[Metric], precision: Precision | None,
+                   empty_too: bool = False) -> None:
+    """Add one batch's loss and outputs on this worker to ``metrics`` (forward and loss in ``precision``).
+    An empty batch is skipped, or run for the collectives in the model's forward (``empty_too``)."""
     batch = to_device(batch)
     samples = samples_in(batch)
-    if samples:
+    if samples or empty_too:
         with precision.autocast() if precision is not None else contextlib.nullcontext():
             loss, outputs, targets = checked(step(batch), batch, metrics)
-        _count(metrics, outputs, targets, loss, samples)
+        if samples:
+            _count(metrics, outputs, targets, loss, samples)
 
 
 def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
