@@ -181,8 +181,10 @@ def test_first_failure_sets_exit_code_and_stops_the_others(tmp_path: Path) -> No
     assert_all_gone(read_pids(pids, 3, within_s=0))
 
 
-# Rank 1 prints its traceback, then takes a second to exit (a slow teardown) with code 3; rank 0
-# sees it and fails at once, as the peer of a dead rank does. Rank 0 exits first; rank 1 failed first.
+# Rank 1 prints its traceback, then takes 1.5 s to exit (a slow teardown) with code 3; rank 0 sees it
+# and fails 0.5 s later, as the peer of a dead rank does. Rank 0 exits first; rank 1 failed first.
+# (The launcher dates a traceback when its relay thread reads it: on a loaded host that thread may run
+# tens of milliseconds late, so two tracebacks closer than that cannot be told apart.)
 CAUSE_EXITS_LAST = """\
     import os, sys, time, traceback
     marker = os.path.join(sys.argv[1], "failed")
@@ -192,10 +194,11 @@ CAUSE_EXITS_LAST = """\
         except ValueError:
             traceback.print_exc()
         open(marker, "w").close()
-        time.sleep(1.0)
+        time.sleep(1.5)
         sys.exit(3)
     while not os.path.exists(marker):
         time.sleep(0.02)
+    time.sleep(0.5)
     raise ConnectionError("peer rank 1 is gone")
 """
 
@@ -241,7 +244,7 @@ def test_the_first_traceback_is_shown_once_and_the_others_in_one_line(tmp_path: 
 def test_a_launcher_that_looks_late_still_holds_back_the_cause_until_it_exits(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # The launcher loads PyTorch (for the store) while its workers already run: on a busy host it
-    # may look at them only after both ended. Rank 1's traceback, 1 s before its exit, is still the cause.
+    # may look at them only after both ended. Rank 1's traceback, 1.5 s before its exit, is still the cause.
     from phalanx.cli import launcher
 
     served = launcher.host_store
