@@ -4,6 +4,7 @@ The engine, the loader and the fit loop call :func:`mark` at a few points (a for
 of backward, a batch handed over); with no recorder that is one global lookup and a comparison.
 The analysis lives in :mod:`phalanx.doctor`, which the engine never imports: it installs a
 :class:`Recorder` here, with the reduction wrapper that times buckets and measures gradient norms.
+:func:`note` keeps facts about the run that are not events (the strategy it trains with).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Recorder:
 
     def __init__(self, wrap_reduction: Callable[[Any], Any]):
         self.events: list[Event] = []
+        self.notes: dict[str, Any] = {}
         self.wrap_reduction = wrap_reduction
 
     def mark(self, name: str, **fields: float) -> None:
@@ -36,6 +38,12 @@ def mark(name: str, **fields: float) -> None:
     """Record an event if a doctor session is on (otherwise nothing)."""
     if recorder is not None:
         recorder.mark(name, **fields)
+
+
+def note(name: str, value: Any) -> None:
+    """Keep a fact about the run (JSON-serializable) under ``name`` if a doctor session is on."""
+    if recorder is not None:
+        recorder.notes[name] = value
 
 
 def wrap(reduction: T) -> T:

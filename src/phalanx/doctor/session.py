@@ -9,7 +9,9 @@ Every other measured step also records gradient norms for the noise scale (see
 single step; it is then left out of the timing), counts the tensors the worker holds
 (:mod:`phalanx.doctor.footprint`): parameters, gradients and optimizer state as its forward begins
 (after the step before), the activations its forwards save for backward, and the gradients again
-as the optimizer starts. A script that has not made its steps after ``S`` seconds is stopped.
+as the optimizer starts. The record also holds the recorder's notes: the strategy the script trains
+with and how often it communicates (:func:`phalanx.strategies.base.announce`). A script that has
+not made its steps after ``S`` seconds is stopped.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class Session:
             self.load.append(load.snapshot())
         record = {"rank": runtime.rank() if runtime.is_initialized() else 0, "warmup": self.warmup,
                   "host": _host_facts(), "events": list(self.recorder.events), "complete": complete,
-                  "load": self.load, "started_ray": _started_ray()}
+                  "load": self.load, "started_ray": _started_ray(), "notes": self.recorder.notes}
         if self.memory is not None and "activations" in self.memory:
             record["memory"] = self.memory
         if runtime.is_initialized():
@@ -129,12 +131,17 @@ class Session:
             os._exit(0)
 
     def _bucket_bytes(self) -> list[int]:
-        """The bytes of each bucket of the last step, in launch order."""
+        """The bytes of each bucket of the last step, in launch order; where backward reduced nothing
+        (px.LocalSGD, px.DiLoCo), of each fragment's exchange."""
         sizes: dict[int, int] = {}
+        exchanges: dict[int, int] = {}
         for name, _, fields in self.recorder.events:
             if name == "launch":
                 sizes[int(fields["bucket"])] = int(fields["bytes"])
-        return [sizes[index] for index in sorted(sizes)]
+            elif name == "outer_start":
+                exchanges[int(fields["fragment"])] = int(fields["bytes"])
+        found = sizes or exchanges
+        return [found[index] for index in sorted(found)]
 
 
 class _Recorder(profile.Recorder):

@@ -7,8 +7,9 @@ the user's model and optimizer into the ones the loop trains (a ``px.DataParalle
 optimizer whose ``step`` does what the strategy needs); ``train`` drives the epochs through the
 loop's :class:`Run` (the loop's own lockstep epochs unless the strategy has its own, as
 asynchronous parameter servers do); ``serve`` is a server process's whole ``fit``; ``committed``
-names what an elastic commit holds; ``worker_clipping`` where clipping happens; ``finish``/``close``
-end it cleanly or after a failure. ``asynchronous`` says whether workers run in lockstep;
+names what an elastic commit holds; ``worker_clipping`` where clipping happens; ``exchanges`` how
+often the workers communicate (what ``phalanx doctor`` reports, through :func:`announce`);
+``finish``/``close`` end it cleanly or after a failure. ``asynchronous`` says whether workers run in lockstep;
 ``nonfinite_agreement`` how every rank comes to the same decision about a non-finite step
 (:mod:`phalanx.train.finite`'s ``AGREEMENTS``). :class:`Replicated` (every worker holds
 everything, the default), :class:`~phalanx.strategies.central_storage.CentralStorage` and
@@ -17,12 +18,13 @@ everything, the default), :class:`~phalanx.strategies.central_storage.CentralSto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from phalanx import profile
 from phalanx.comm import runtime
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.clipping import Clipping
@@ -87,6 +89,34 @@ class Run(Protocol):
         """In an elastic job, join the next generation now if the group is changing; whether it did."""
 
 
+@dataclass(frozen=True)
+class Exchanges:
+    """How often a strategy's workers communicate: ``fragments`` exchanges every ``period`` optimizer
+    steps, each of 1/``fragments`` of the model, each merged ``delay`` steps after it starts (compute
+    hides it meanwhile); ``what`` crosses the network, in words. px.DataParallel: one every step."""
+
+    period: int = 1
+    fragments: int = 1
+    delay: int = 0
+    what: str = ""
+
+    @property
+    def share(self) -> float:
+        """Exchanges per optimizer step: the share of the steps that start one."""
+        return self.fragments / self.period
+
+    def describe(self) -> str:
+        """The schedule in words, as the doctor's report says it."""
+        what = f" ({self.what})" if self.what else ""
+        if self.period == 1 and self.fragments == 1 and not self.delay:
+            return f"every step communicates{what}"
+        hidden = f", overlapped with the next {self.delay} inner step(s)" if self.delay else ""
+        if self.fragments == 1:
+            return f"1 step in {self.period} communicates{what}{hidden}"
+        return (f"{self.fragments} exchanges every {self.period} steps, each of 1/{self.fragments} of the model{what}"
+                f"{hidden}: {self.fragments} step(s) in {self.period} start one")
+
+
 class Strategy(Protocol):
     """Where the parameters and the optimizer state live (see the module's docstring).
 
@@ -148,6 +178,11 @@ class Strategy(Protocol):
         """The clipping workers apply before their optimizer step (``None`` where another place clips)."""
         return clipping
 
+    def exchanges(self) -> Exchanges:
+        """How often the workers communicate (by default every step): ``phalanx doctor`` names it and
+        weighs the steps that communicate by it."""
+        return Exchanges()
+
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """End after a finished run; ``history`` is the run's, as a state dict."""
 
@@ -168,6 +203,9 @@ class Replicated(Strategy):
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[DataParallel, OptimizerLike]:
         return wrap(model), optimizer
+
+    def exchanges(self) -> Exchanges:
+        return Exchanges(what="the gradients, during backward")
 
 
 #: Optimizer state per parameter, in parameters' worth, of torch's optimizers (with their defaults).
@@ -256,6 +294,13 @@ def held_bytes(model: nn.Module, optimizer: OptimizerLike, level: int, workers: 
     weights = trained_bytes(model)
     held = held_per_worker(weights, state_per_parameter(optimizer) * weights, level, workers)
     return int(held.total + (weights / workers if level >= 2 else 0))
+
+
+def announce(strategy: Strategy) -> None:
+    """Tell a doctor session, if one is on, which strategy trains and how often its workers
+    communicate (``profile.note``; nothing otherwise). px.fit calls it after ``setup``, and so does
+    a strategy whose ``setup`` is also meant for loops of your own."""
+    profile.note("strategy", {"name": strategy.name, **asdict(strategy.exchanges())})
 
 
 def resolve(strategy: Strategy | None) -> Strategy:

@@ -39,7 +39,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.parallel import reductions
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
-from phalanx.strategies.base import (FitOptions, OptimizerLike, Strategy, held_bytes, refuse,
+from phalanx.strategies.base import (Exchanges, FitOptions, OptimizerLike, Strategy, announce, held_bytes, refuse,
                                      refuse_parameter_servers_launched, state_per_parameter, wrap)
 from phalanx.strategies.local_steps import LocalSteps, OuterOptimizer, OuterSteps, leave_gradients_local
 
@@ -90,7 +90,12 @@ class LocalSGD(Strategy):
         self._local.enter_context(wrapped.no_sync())
         leave_gradients_local(wrapped)
         self.optimizer = self._wrap(optimizer, wrapped)
+        announce(self)  # in a loop of your own too, phalanx doctor names the strategy
         return wrapped, self.optimizer
+
+    def exchanges(self) -> Exchanges:
+        """One exchange every ``period`` steps: the parameters' average."""
+        return Exchanges(self.period, what="the parameters, averaged")
 
     def _wrap(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> LocalSteps:
         return LocalSteps(optimizer, model, self.period)
@@ -145,6 +150,11 @@ class DiLoCo(LocalSGD):
     def name(self) -> str:
         streaming = f", fragments={self.fragments}, delay={self.delay}" if self.fragments > 1 or self.delay else ""
         return f"px.DiLoCo(period={self.period}{streaming})"
+
+    def exchanges(self) -> Exchanges:
+        """``fragments`` exchanges every ``period`` steps, each merged ``delay`` steps after it starts."""
+        return Exchanges(self.period, self.fragments, self.delay,
+                         "the outer gradient: the parameters' change since the last outer step")
 
     def _wrap(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> OuterSteps:
         return OuterSteps(optimizer, model, self.period, self.fragments, self.delay, self.reduction,

@@ -114,7 +114,8 @@ class LocalSteps(HeldOptimizer):
                 self._contribution(index, bucket.views[slot], share)
         fragment.handles = [self.reduction.reduce(bucket) for bucket in fragment.buckets]
         fragment.started = self.steps
-        profile.mark("outer_start", fragment=fragment.index, step=self.steps)
+        profile.mark("outer_start", fragment=fragment.index, step=self.steps,
+                     bytes=sum(bucket.flat.numel() * bucket.flat.element_size() for bucket in fragment.buckets))
 
     def _merge(self, fragment: Fragment) -> None:
         began = time.perf_counter()

@@ -37,7 +37,7 @@ from phalanx.errors import CheckpointError, ConfigurationError
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.exact import ExactGradients
 from phalanx.global_batch import mix_seed
-from phalanx.strategies.base import FitOptions, Strategy, resolve as resolve_strategy
+from phalanx.strategies.base import FitOptions, Strategy, announce, resolve as resolve_strategy
 from phalanx.train import callbacks as cb, checkpoint, finite, horizon, options, ray_session
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
@@ -196,6 +196,7 @@ class Loop:
         """Set the strategy up and the loop's state with it."""
         torch.manual_seed(mix_seed(self.seed, runtime.rank()))
         self.model, self.optimizer = self.strategy.setup(self.model, self.optimizer)
+        announce(self.strategy)  # names it to phalanx doctor, if the run is measured
         precision = Precision(self.precision, runtime.device())
         guard = finite.NonFiniteGuard(self.on_nonfinite, self.strategy.nonfinite_agreement, self.precision,
                                       self.clipping, late=finite.reads_late(runtime.device()))
