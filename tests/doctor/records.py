@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 FORWARD, BACKWARD, OPTIMIZER, DATA = 0.010, 0.020, 0.002, 0.001
@@ -57,3 +58,42 @@ def record(rank: int = 0, world: int = 2, local: int = 2, cores: int = 2, count:
 
 def _without_buckets(events: list[list[Any]]) -> list[list[Any]]:
     return [e for e in events if e[0] not in ("launch", "wait", "backward")]
+
+
+def local_events(count: int, period: int, waited: float, nbytes: int, fragments: int = 1, delay: int = 0,
+                 samples: int = 32) -> list[list[Any]]:
+    """Events of a warm-up step's end, then ``count`` steps of px.DiLoCo: nothing reduced in backward;
+    after each step ``t`` (the warm-up is step 1) with ``t % period == i * period // fragments`` fragment
+    ``i`` starts an exchange of ``nbytes``, merged after step ``t + delay`` and waiting ``waited`` then."""
+    events: list[list[Any]] = [["step", 0.0, {"cpu": 0.0, "system": 0.0, "faults": 0}]]
+    t, pending = 0.0, {}
+    for number in range(2, count + 2):  # the events after step number - 1's end
+        for fragment, started in sorted(pending.items()):
+            if number - 1 - started >= delay:
+                t += waited
+                events.append(["outer_merge", t, {"fragment": fragment, "step": number - 1, "waited": waited}])
+                del pending[fragment]
+        events.append(["data", t + DATA, {"started": t}])
+        t += DATA
+        events.append(["forward", t, {"samples": samples}])
+        t += FORWARD + BACKWARD
+        events.append(["optimizer", t, {}])
+        t += OPTIMIZER
+        events.append(["step", t, {"cpu": t, "system": 0.0, "faults": 0}])
+        for fragment in range(fragments):
+            if number % period == fragment * period // fragments:
+                events.append(["outer_start", t, {"fragment": fragment, "step": number, "bytes": nbytes}])
+                pending[fragment] = number
+    return events
+
+
+def local_record(strategy: Any, rank: int = 0, count: int = 20, waited: float = 0.1, nbytes: int = 4_000_000,
+                 samples: int = 32) -> dict[str, Any]:
+    """One rank of two on one host training with ``strategy`` (a px.LocalSGD or px.DiLoCo), as the session
+    writes it: its note, the exchanges' events, the transport timed at the exchange's size."""
+    schedule = strategy.exchanges()
+    found = {**record(rank), "notes": {"strategy": {"name": strategy.name, **asdict(schedule)}},
+             "events": local_events(count, schedule.period, waited, nbytes, schedule.fragments, schedule.delay,
+                                    samples)}
+    found["transport_figures"].update(bucket_bytes=[nbytes], bucket_s=[1e-4 + nbytes * 1e-9])
+    return found

@@ -91,7 +91,7 @@ def test_an_oversubscribed_run_is_told_so_and_to_run_fewer_workers() -> None:
     diagnosis = diagnose_records(run, reference, [1.0])
     assert any(cause.startswith("oversubscription: 4 workers") for cause in diagnosis.causes)
     assert any(cause.startswith("per-step communication") for cause in diagnosis.causes)
-    first = diagnosis.recommendations[0]
+    first = next(r for r in diagnosis.recommendations if r.kind not in ("diloco", "streaming"))  # not between hosts
     assert first.kind == "workers" and first.action.startswith("run 2 worker(s)")
     assert first.step_s == pytest.approx(predict.predict(diagnosis.model, predict.Layout(2, 2)).step_s)
     assert first.gain == pytest.approx(diagnosis.measured.step_s / first.step_s) and first.gain > 1.2

@@ -6,7 +6,7 @@ reference) into a :class:`Diagnosis`; ``as_dict`` is the ``--json`` object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.doctor import advice, memory, noise, predict
@@ -32,6 +32,7 @@ class Diagnosis:
     recommendations: list[advice.Recommendation]
     records: list[dict[str, Any]]  # every rank's events, for the trace
     memory: MemoryReport | None = None  # None where the ranks did not count their tensors
+    slow_links: list[advice.LinkCheck] = field(default_factory=list)  # the run at each --bandwidth between hosts
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object."""
@@ -45,6 +46,7 @@ class Diagnosis:
                 "noise_scale": self.noise.as_dict() if self.noise else None,
                 "causes": self.causes,
                 "recommendations": [r.as_dict() for r in self.recommendations],
+                "slow_links": [check.as_dict() for check in self.slow_links],
                 "memory": self.memory.as_dict() if self.memory else None}
 
 
@@ -63,9 +65,11 @@ def diagnose_records(run: list[dict[str, Any]], reference: list[dict[str, Any]] 
         predict.scaling(model, [layout for layout in on_host if layout not in skipped])
         + predict.scaling(model, [layout for layout in across if layout not in skipped],
                           measured.global_batch / measured.world_size))
+    checks = [] if model is None or model.busy else [
+        check for bandwidth in bandwidths_gbit if (check := advice.link_check(measured, model, bandwidth))]
     return Diagnosis(measured, ref, model, scale, predictions, not_predicted, assumptions(measured, model),
-                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale), run,
-                     memory.report(run, measured.global_batch, on_host, across, measured.transport))
+                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale, bandwidths_gbit),
+                     run, memory.report(run, measured.global_batch, on_host, across, measured.transport), checks)
 
 
 def layouts(measured: Measured, bandwidths_gbit: list[float]) -> tuple[list[predict.Layout], list[predict.Layout]]:
@@ -92,6 +96,12 @@ def assumptions(run: Measured, model: predict.ScalingModel | None) -> list[str]:
              "(shared memory: the copies each makes; Gloo: its ring), and as much hidden behind backward as measured",
              f"across hosts: hosts like this one with {run.workers_per_host} worker(s) each, at the measured batch "
              "per worker, reducing over a ring between hosts whose link the local ranks share"]
+    if model.schedule is not None:
+        schedule = model.schedule
+        found.append(f"{run.strategy}: {schedule.fragments} exchange(s) every {schedule.period} steps, each one "
+                     f"allreduce of 1/{schedule.fragments} of the model's {model.model_bytes / 1e6:.2f} MB, hidden "
+                     f"behind the {schedule.delay} inner step(s) that compute while it crosses (nothing is reduced in "
+                     "backward)")
     if model.other_load is not None:
         found.append(f"the host as quiet as measured: other processes kept {model.other_load:.2f} of its {run.cores} cores "
                      f"busy while measuring (above {predict.BUSY_SHARE * run.cores:.1f}, nothing is predicted)")

@@ -6,6 +6,13 @@ average that no step had; so are steps more than half again as long as the media
 validation and checkpoint land in the step after it, and a busy host preempts some). Phases are
 means over each rank's kept steps, then over ranks (the ranks run in lockstep, so their step
 times agree; how they split them may not). Buckets and transport figures are rank 0's.
+
+Under a strategy that communicates every few steps (px.LocalSGD, px.DiLoCo: its schedule is the
+record's ``strategy`` note) the steps that start or merge an exchange are longer by design: they
+are kept (the outliers are those of their own kind), and each figure per step is the steps without
+an exchange plus what the steps with one took beyond them per exchange merged, times the exchanges
+per step of the schedule, so that the window's share of exchanging steps does not skew the mean.
+The exchange's own cost is reported per exchange as well.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 
 from phalanx.doctor import load
 from phalanx.doctor.records import RankSteps, Step, mean, split_steps
+from phalanx.strategies.base import Exchanges
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,25 @@ class Measured:
     steps: int
     buckets: tuple[Bucket, ...]
     transport_figures: dict[str, Any] | None
+    strategy: str  # as the strategy names itself (px.DataParallel where none was named)
+    schedule: Exchanges  # how often it communicates
+    exchanges: int  # exchanges of px.LocalSGD/px.DiLoCo merged in the timed steps (rank 0's)
+    exchange_bytes: int  # what one exchange sends (a fragment of the model)
+    exchange_wait_s: float | None  # exposed communication per exchange (None: no exchange timed)
+    exchange_step_s: float | None  # what a step with an exchange took beyond one without, per exchange
+    model_bytes: int | None  # the trained parameters, whole (None: not seen)
 
     @property
-    def bytes_per_step(self) -> int:
-        return sum(bucket.bytes for bucket in self.buckets)
+    def bytes_per_step(self) -> float:
+        """Bytes a worker sends per step: the buckets of every step, and the exchanges averaged over
+        the schedule."""
+        return sum(bucket.bytes for bucket in self.buckets) + self.exchange_bytes * self.schedule.share
+
+    @property
+    def local_steps(self) -> bool:
+        """Whether the workers step on their own between exchanges (px.LocalSGD, px.DiLoCo) rather than
+        reduce gradients in backward."""
+        return self.schedule.period > 1 or self.exchanges > 0
 
     @property
     def own_step_s(self) -> float:
@@ -86,6 +109,7 @@ class Measured:
         """The ``measured`` object of ``--json``."""
         fields = asdict(self)
         fields.update(bytes_per_step=self.bytes_per_step, comm_alone_s=self.comm_alone_s,
+                      communicates=self.schedule.describe(), communicating_share=self.schedule.share,
                       overlapped=self.overlapped, oversubscription=self.oversubscription,
                       throughput=self.global_batch / self.step_s if self.step_s else 0.0)
         return fields
@@ -98,16 +122,26 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
     batches = global_batches(ranks)
     batch = max(batches)
     full = [index for index, size in enumerate(batches) if size == batch]
-    kept = typical(full, [max(rank.timed[i].step_s for rank in ranks) for i in range(len(batches))])
+    longest = [max(rank.timed[i].step_s for rank in ranks) for i in range(len(batches))]
+    kinds = {tuple((rank.timed[i].starts, rank.timed[i].merges) for rank in ranks) for i in full}
+    kept = sorted(i for kind in kinds for i in typical(  # exchanging steps are measured among their own kind
+        [i for i in full if tuple((rank.timed[i].starts, rank.timed[i].merges) for rank in ranks) == kind], longest))
     for rank in ranks:  # the ranks step in lockstep: step i of one is step i of all
         rank.timed = [rank.timed[i] for i in kept]
     first, host = records[0], records[0]["host"]
+    note = first.get("notes", {}).get("strategy", {})
+    schedule = Exchanges(**{key: value for key, value in note.items() if key != "name"})
 
     def per_rank(phase: str) -> float:
-        return mean([mean([getattr(step, phase) for step in rank.timed]) for rank in ranks])
+        return mean([per_step(rank.timed, phase, schedule.share) for rank in ranks])
 
     forwards = [s.forward_s for r in ranks for s in r.timed if s.forward_s is not None]
     compute = per_rank("compute_s")
+    exchanges = sum(step.merges for step in ranks[0].timed)
+    started = sum(step.starts for step in ranks[0].timed)
+    exchange_bytes = sum(step.exchange_bytes for step in ranks[0].timed) // started if started else 0
+    waited = mean([sum(step.exchange_wait_s for step in rank.timed) for rank in ranks])
+    buckets = _buckets(ranks[0].timed, first.get("transport_figures"))
     return Measured(
         world_size=int(first.get("world_size", 1)), workers_per_host=int(first.get("local_size", 1)),
         cores=int(host["cores"]), threads=int(host["threads"]), transport=str(first.get("transport", "none")),
@@ -117,9 +151,12 @@ def summarize(records: list[dict[str, Any]]) -> Measured:
         forward_s=mean(forwards) if forwards else None, backward_s=compute - mean(forwards) if forwards else None,
         compute_s=compute, exposed_comm_s=per_rank("exposed_s"), optimizer_s=per_rank("optimizer_s"),
         other_s=per_rank("other_s"), cpu_s=per_rank("cpu_s"), system_s=per_rank("system_s"),
-        page_faults=per_rank("faults"), steps=len(ranks[0].timed),
-        buckets=_buckets(ranks[0].timed, first.get("transport_figures")),
-        transport_figures=first.get("transport_figures"))
+        page_faults=per_rank("faults"), steps=len(ranks[0].timed), buckets=buckets,
+        transport_figures=first.get("transport_figures"), strategy=str(note.get("name", "px.DataParallel")),
+        schedule=schedule, exchanges=exchanges, exchange_bytes=exchange_bytes,
+        exchange_wait_s=waited / exchanges if exchanges else None,
+        exchange_step_s=_mean_beyond(ranks, "step_s"),
+        model_bytes=_model_bytes(first, buckets, exchange_bytes * schedule.fragments))
 
 
 #: A full step longer than this many times the median is not a typical step.
@@ -128,8 +165,45 @@ OUTLIER = 1.5
 
 def typical(indices: list[int], step_s: list[float]) -> list[int]:
     """The ``indices`` whose steps took at most :data:`OUTLIER` times their median."""
+    if not indices:
+        return []
     median = statistics.median(step_s[i] for i in indices)
     return [i for i in indices if step_s[i] <= OUTLIER * median]
+
+
+def per_step(steps: list[Step], phase: str, share: float) -> float:
+    """The mean of ``phase`` per step, with ``share`` exchanges per step: the steps without an exchange,
+    plus what those that started or merged one took beyond them per exchange merged, times ``share``
+    (a plain mean where every step or none holds an exchange)."""
+    beyond = _beyond(steps, phase)
+    if beyond is None:
+        return mean([getattr(step, phase) for step in steps])
+    return max(mean([getattr(step, phase) for step in steps if not step.exchanging]) + beyond * share, 0.0)
+
+
+def _beyond(steps: list[Step], phase: str) -> float | None:
+    """What the steps that started or merged an exchange took beyond those without, per exchange merged
+    (``None`` without both kinds of step or without a merge)."""
+    quiet = [getattr(step, phase) for step in steps if not step.exchanging]
+    merged = sum(step.merges for step in steps)
+    if not quiet or not merged:
+        return None
+    base = mean(quiet)
+    return sum(getattr(step, phase) - base for step in steps if step.exchanging) / merged
+
+
+def _mean_beyond(ranks: list[RankSteps], phase: str) -> float | None:
+    found = [beyond for rank in ranks if (beyond := _beyond(rank.timed, phase)) is not None]
+    return mean(found) if found else None
+
+
+def _model_bytes(record: dict[str, Any], buckets: tuple[Bucket, ...], exchanged: int) -> int | None:
+    """The trained parameters' bytes, whole: as the worker counted them, else as its buckets or one
+    round of exchanges carried them."""
+    counted = record.get("memory", {}).get("trained_bytes")
+    if counted:
+        return int(counted)
+    return sum(bucket.bytes for bucket in buckets) or exchanged or None
 
 
 def _other_load(records: list[dict[str, Any]]) -> float | None:

@@ -9,6 +9,10 @@ the allreduce in use, per bucket (:func:`phalanx.comm.cost.predict`): shared mem
 its time at the measured size scaled for the ranks taking part; Gloo's ring across hosts, every
 local rank sending its 1/L slice over the host's one link; then the buckets are replayed in order
 from the moments backward made them ready, and what runs past the end of backward is exposed.
+Under px.LocalSGD and px.DiLoCo (the run's schedule: ``fragments`` exchanges every ``period``
+steps) nothing is reduced in backward: an exchange is one allreduce of 1/``fragments`` of the
+model, hidden behind the ``delay`` inner steps that compute while it crosses, and what it does not
+hide is spread over the period.
 
 Some rows cannot be predicted from two runs, and :func:`unpredictable` says why: more workers
 than cores (how the OS interleaves them and their lockstep allreduces is not a line) unless that
@@ -24,6 +28,7 @@ from dataclasses import dataclass, replace
 from phalanx.comm import cost
 from phalanx.doctor.calibrate import LARGE_BYTES, SMALL_BYTES
 from phalanx.doctor.measured import Measured
+from phalanx.strategies.base import Exchanges
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ class ScalingModel:
     comm_factor: float = 1.0  # a core each: how much longer the allreduce takes beside backward than alone
     crowded_factor: float = 1.0  # the same with more workers than cores, where it cannot hide behind backward
     other_load: float | None = None  # cores other processes kept busy while either run measured, at most
+    #: How often px.LocalSGD/px.DiLoCo exchange, for a model whose workers step on their own (then
+    #: ``buckets`` is empty); ``None``: gradients reduced in every backward.
+    schedule: Exchanges | None = None
+    model_bytes: int = 0  # the trained parameters, whole: what an exchange of the whole model sends
 
     @property
     def busy(self) -> bool:
@@ -108,8 +117,9 @@ def fit(run: Measured, reference: Measured | None = None) -> ScalingModel:
     loads = [m.other_load for m in (run, reference) if m is not None and m.other_load is not None]
     model = replace(model, fixed_s=fixed, per_sample_s=per_sample, optimizer_s=run.optimizer_s / u,
                     backward_share=backward / run.own_step_s if run.own_step_s > 0 else 0.0, buckets=ready,
-                    other_load=max(loads, default=None))
-    if model.ring is None:
+                    other_load=max(loads, default=None), schedule=run.schedule if run.local_steps else None,
+                    model_bytes=run.model_bytes or 0)
+    if model.ring is None or (model.schedule is not None and not run.exchanges):  # nothing timed to fit to
         return model
     return replace(model, comm_factor=_comm_factor(model, run), crowded_factor=_crowded_factor(model, run))
 
@@ -155,24 +165,22 @@ def _crowded_factor(model: ScalingModel, run: Measured) -> float:
     """For a run with more workers than cores: its exposed time over its buckets' time alone (else 1)."""
     if model.slowdown(run.workers_per_host) <= 1:
         return 1.0
-    alone = sum(bucket_time(model, Layout(run.world_size, run.workers_per_host), n) for _, n in model.buckets)
+    alone, _ = _communication(model, Layout(run.world_size, run.workers_per_host), run.own_step_s, 1.0, False)
     return run.exposed_comm_s / alone if alone > 0 else 1.0
 
 
 def _comm_factor(model: ScalingModel, run: Measured) -> float:
-    """The factor on the buckets' times within the host that makes the replay expose what the run did.
+    """The factor on the allreduce's times within the host that makes the model expose what the run did.
 
-    Beside backward the allreduce competes for the cores and waits for the slowest rank, so it
-    takes longer than alone; the factor carries that over to the predictions (bisection, 0.1-1000).
+    Beside backward (or the inner steps an exchange overlaps) the allreduce competes for the cores
+    and waits for the slowest rank, so it takes longer than alone; the factor carries that over to
+    the predictions (bisection, 0.1-1000).
     """
     layout = Layout(run.world_size, run.workers_per_host)
-    backward = model.backward_share * run.own_step_s
-    ready = [r for r, _ in model.buckets]
     low, high = 0.1, 1000.0
     for _ in range(40):
         middle = (low * high) ** 0.5
-        times = [bucket_time(model, layout, nbytes, middle) for _, nbytes in model.buckets]
-        if _exposed(backward, ready, times) < run.exposed_comm_s:
+        if _communication(model, layout, run.own_step_s, middle, True)[1] < run.exposed_comm_s:
             low = middle
         else:
             high = middle
@@ -241,13 +249,34 @@ def predict(model: ScalingModel, layout: Layout, global_batch: float | None = No
     u = model.slowdown(layout.local)
     own = u * max(model.own_step(batch / layout.world_size), 0.0)
     factor = model.crowded_factor if u > 1 else model.comm_factor
-    times = [bucket_time(model, layout, n, factor) for _, n in model.buckets] if layout.world_size > 1 else []
-    if u > 1:  # no core is idle: the allreduce cannot hide behind backward
-        exposed = sum(times)
-    else:
-        exposed = _exposed(model.backward_share * own, [r for r, _ in model.buckets], times)
+    comm, exposed = _communication(model, layout, own, factor, u <= 1)  # u > 1: no idle core to hide it
     step = own + exposed
-    return Prediction(layout, batch, step, own, sum(times), exposed, batch / step)
+    return Prediction(layout, batch, step, own, comm, exposed, batch / step)
+
+
+def _communication(model: ScalingModel, layout: Layout, own_s: float, factor: float,
+                   overlap: bool) -> tuple[float, float]:
+    """Seconds of communication per step at ``layout`` for a step of ``own_s`` without it, and how many
+    of them are exposed: the buckets replayed against backward, or the exchanges of the schedule,
+    each hidden behind its ``delay`` inner steps (nothing hides without ``overlap``)."""
+    if layout.world_size == 1:
+        return 0.0, 0.0
+    schedule = model.schedule
+    if schedule is not None:
+        each = bucket_time(model, layout, model.model_bytes // schedule.fragments, factor)
+        hidden = schedule.delay * own_s if overlap else 0.0
+        return each * schedule.share, max(each - hidden, 0.0) * schedule.share
+    times = [bucket_time(model, layout, n, factor) for _, n in model.buckets]
+    if not overlap:
+        return sum(times), sum(times)
+    return sum(times), _exposed(model.backward_share * own_s, [r for r, _ in model.buckets], times)
+
+
+def exchange_time(model: ScalingModel, layout: Layout, nbytes: int) -> float:
+    """One allreduce of ``nbytes`` in one piece at ``layout``, as the model predicts the run's own:
+    an exchange of px.LocalSGD or px.DiLoCo."""
+    factor = model.crowded_factor if model.slowdown(layout.local) > 1 else model.comm_factor
+    return bucket_time(model, layout, nbytes, factor)
 
 
 def bucket_time(model: ScalingModel, layout: Layout, nbytes: int, factor: float = 1.0) -> float:

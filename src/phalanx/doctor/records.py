@@ -3,7 +3,9 @@
 A step ends at the optimizer step's end (``step``). Within it: the loader's waits (``data``), the
 first training forward (``forward``), the start of backward (``backward``, the first gradient
 ready), buckets launched (``launch``) and waited for (``wait``), the optimizer's start
-(``optimizer``), and on every other measured step the gradient norms (``norms``). The first
+(``optimizer``), and on every other measured step the gradient norms (``norms``); under px.LocalSGD
+and px.DiLoCo, after the optimizer step, an exchange's start (``outer_start``, its bytes) and its
+merge (``outer_merge``, with the time it waited), which land in the next step's events. The first
 ``warmup`` steps are dropped; steps with norms are kept for the noise scale only, and the step
 whose tensors were counted (``memory``, :mod:`phalanx.doctor.footprint`) for nothing.
 """
@@ -34,8 +36,17 @@ class Step:
     system_s: float  # of cpu_s, in the kernel: mostly page faults
     faults: int  # minor page faults: memory the process touched afresh
     samples: int
+    starts: int  # exchanges of px.LocalSGD/px.DiLoCo started in the step
+    merges: int  # and merged in it
+    exchange_bytes: int  # of the exchanges started in the step
+    exchange_wait_s: float  # of exposed_s, what merging an exchange waited for
     #: Per bucket: seconds from the start of backward to its launch, bytes, seconds waited for it.
     buckets: tuple[tuple[float, int, float], ...]
+
+    @property
+    def exchanging(self) -> bool:
+        """Whether an exchange started or merged in the step (it is then longer by design)."""
+        return bool(self.starts or self.merges)
 
     @property
     def other_s(self) -> float:
@@ -94,18 +105,22 @@ def _step(previous: Event, events: list[Event]) -> Step | None:
     backward_t = first["backward"][0] if "backward" in first else None
     waits = {int(f["bucket"]): t - f["started"] for name, t, f in events if name == "wait"}
     exposed = sum(waits.values())
+    starts = [f for name, _, f in events if name == "outer_start"]
+    merges = [f for name, _, f in events if name == "outer_merge"]
+    outer_wait = sum(f["waited"] for f in merges)
     buckets = tuple((t - backward_t if backward_t is not None else 0.0, int(f["bytes"]), waits.get(int(f["bucket"]), 0.0))
                     for name, t, f in events if name == "launch")
     return Step(start=previous[1], step_s=end_t - previous[1],
                 data_s=sum(t - f["started"] for name, t, f in events if name == "data"),
                 compute_s=max(optimizer_t - forward_t - exposed, 0.0),
                 forward_s=None if backward_t is None else backward_t - forward_t,
-                exposed_s=exposed, optimizer_s=end_t - optimizer_t,
+                exposed_s=exposed + outer_wait, optimizer_s=end_t - optimizer_t,
                 cpu_s=events[-1][2]["cpu"] - previous[2]["cpu"],
                 system_s=events[-1][2]["system"] - previous[2]["system"],
                 faults=int(events[-1][2]["faults"] - previous[2]["faults"]),
                 samples=int(sum(f["samples"] for name, _, f in events if name == "forward")),
-                buckets=buckets)
+                buckets=buckets, starts=len(starts), merges=len(merges),
+                exchange_bytes=int(sum(f.get("bytes", 0) for f in starts)), exchange_wait_s=outer_wait)
 
 
 def mean(values: list[float]) -> float:

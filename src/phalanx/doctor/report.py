@@ -15,8 +15,9 @@ KERNEL_SHARE = 0.05
 def render(diagnosis: Diagnosis, script: str) -> str:
     """The whole report."""
     run = diagnosis.measured
-    sections = [_header(run, diagnosis.reference, script), _phases(run), _communication(run), _host(run),
-                _causes(diagnosis.causes), _noise(diagnosis), _predictions(diagnosis),
+    sections = [_header(run, diagnosis.reference, script), _strategy(run), _phases(run), _communication(run),
+                _host(run),
+                _causes(diagnosis.causes), _noise(diagnosis), _predictions(diagnosis), _slow_links(diagnosis),
                 _recommendations(diagnosis), _memory(diagnosis.memory)]
     return "\n\n".join(section for section in sections if section) + "\n"
 
@@ -42,6 +43,10 @@ def _header(run: Measured, reference: Measured | None, script: str) -> str:
     return line
 
 
+def _strategy(run: Measured) -> str:
+    return f"Strategy: {run.strategy}: {run.schedule.describe()}"
+
+
 def _kernel(run: Measured) -> str:
     """The kernel's time in the step where it is worth naming, with the page faults that make it."""
     if run.system_s <= KERNEL_SHARE * run.step_s:
@@ -53,7 +58,8 @@ def _phases(run: Measured) -> str:
     rows = [("data wait", run.data_wait_s), ("forward", run.forward_s), ("backward", run.backward_s),
             ("(forward+backward)", None if run.forward_s is not None else run.compute_s),
             ("exposed comm", run.exposed_comm_s), ("optimizer", run.optimizer_s), ("other", run.other_s)]
-    lines = ["Per step (mean over ranks):"]
+    weighted = "; steps with an exchange as often as the schedule has them" if run.local_steps else ""
+    lines = [f"Per step (mean over ranks{weighted}):"]
     lines += [f"  {name:<20}{_ms(value):>10}  {100 * value / run.step_s:5.1f}%" for name, value in rows if value is not None]
     return "\n".join(lines)
 
@@ -62,19 +68,36 @@ def _communication(run: Measured) -> str:
     figures = run.transport_figures
     if not figures:
         return "Communication: none (one worker)."
+    link = (f"  link (point-to-point over Gloo): latency {figures['p2p_alpha_s'] * 1e3:.3f} ms, bandwidth "
+            f"{_gbit(figures['p2p_beta_s_per_byte'])}; Gloo ring: alpha {figures['ring_alpha_s'] * 1e3:.3f} ms, "
+            f"{_gbit(figures['ring_beta_s_per_byte'])}")
+    if run.local_steps:
+        return f"{_exchanges(run)}\n{link}"
     if not run.buckets:  # px.Sharded plugs its own reduction into the engine, which the probe does not wrap
         return "Communication: the strategy's own reduction, whose buckets the doctor does not time."
     alone = run.comm_alone_s or 0.0
     lines = [f"Communication: {run.bytes_per_step / 1e6:.2f} MB reduced per step in {len(run.buckets)} bucket(s); "
              f"alone they take {_ms(alone)} ({run.bytes_per_step / alone / 1e9:.2f} GB/s achieved), beside "
-             f"backward {_ms(run.exposed_comm_s)} is exposed: {100 * (run.overlapped or 0):.0f}% overlapped",
-             f"  link (point-to-point over Gloo): latency {figures['p2p_alpha_s'] * 1e3:.3f} ms, bandwidth "
-             f"{_gbit(figures['p2p_beta_s_per_byte'])}; Gloo ring: alpha {figures['ring_alpha_s'] * 1e3:.3f} ms, "
-             f"{_gbit(figures['ring_beta_s_per_byte'])}",
+             f"backward {_ms(run.exposed_comm_s)} is exposed: {100 * (run.overlapped or 0):.0f}% overlapped", link,
              "  bucket timeline (launch after backward began / size / alone / waited at backward's end):"]
     lines += [f"    #{i}: {_ms(b.ready_s):>9} {b.bytes / 1e6:8.2f} MB {_ms(b.alone_s):>9} {_ms(b.exposed_s):>9}"
               for i, b in enumerate(run.buckets)]
     return "\n".join(lines)
+
+
+def _exchanges(run: Measured) -> str:
+    """px.LocalSGD's and px.DiLoCo's exchanges: what one costs, and what that is per step over the schedule."""
+    schedule = run.schedule
+    if run.exchange_wait_s is None:
+        return (f"Communication: no exchange of {run.strategy} fell in the {run.steps} timed steps "
+                f"({schedule.fragments} every {schedule.period}), so its cost is not measured and the figures per step "
+                f"leave it out: run the doctor with --steps {schedule.period} or more.")
+    beyond = ("" if run.exchange_step_s is None else
+              f" and its step(s) took {_ms(run.exchange_step_s)} longer than a step without one")
+    return (f"Communication: {run.strategy} exchanged {run.exchange_bytes / 1e6:.2f} MB {run.exchanges} time(s) in "
+            f"the {run.steps} timed steps; an exchange waited {_ms(run.exchange_wait_s)} (exposed){beyond}; over "
+            f"its schedule ({schedule.fragments} every {schedule.period} steps) that is {_ms(run.exposed_comm_s)} "
+            f"exposed and {run.bytes_per_step / 1e6:.3f} MB sent per step")
 
 
 def _gbit(beta: float) -> str:
@@ -126,6 +149,12 @@ def _predictions(diagnosis: Diagnosis) -> str:
     lines += [f"  not predicted at {', '.join(map(str, sizes))} worker(s): {reason}" for reason, sizes in reasons.items()]
     lines += ["  assumed:"] + [f"    - {assumption}" for assumption in diagnosis.assumptions]
     return "\n".join(lines)
+
+
+def _slow_links(diagnosis: Diagnosis) -> str:
+    if not diagnosis.slow_links:
+        return ""
+    return "Over slow links (predicted):\n" + "\n".join(f"  - {check.verdict()}" for check in diagnosis.slow_links)
 
 
 def _row_order(layout: Layout) -> tuple[bool, float, int]:
