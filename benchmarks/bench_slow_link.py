@@ -3,6 +3,8 @@
     python benchmarks/bench_slow_link.py                  # one host, 1 Gbit/s and 100 Mbit/s (root)
     python benchmarks/bench_slow_link.py --quick          # a 1-2 minute smoke run (50 steps)
     python benchmarks/bench_slow_link.py --settings 100mbit --reps 2
+    python benchmarks/bench_slow_link.py --json slow.json         # keep the curves ...
+    python benchmarks/bench_slow_link.py --doctor-check slow.json # ... and hold the doctor to them (no root)
 
 Two workers train a small causal transformer language model (byte level, 256 symbols) on a real
 text corpus: the English text of Python's own documentation shipped with the interpreter
@@ -39,6 +41,18 @@ which it first reached, at an evaluation point, the loss dp reaches after S step
 when it does not within S steps) with the speed-up against dp's time for S steps; medians over
 ``--reps`` (ratios taken within a repetition). PASS/FAIL lines check issue 45's targets at 100
 Mbit/s: DiLoCo reaches dp's loss at least 5x sooner, and its loss after S steps is within 3 % of dp's.
+
+``--doctor-check FILE`` holds ``phalanx doctor``'s predictions to a previous run's ``--json FILE``:
+it runs the doctor (``px.diagnose``, 2 workers on this host and the 1-worker reference, a few
+dozen steps; no namespaces, no root) on the benchmark's own model and batch trained by
+px.DataParallel (the model's settings are read from the file, else taken from the options), then,
+for every setting in the file, predicts the step of dp, diloco10, diloco50 and streaming10 where
+the benchmark ran them (``host``: 2 workers on this host; ``1gbit``/``100mbit``: 2 hosts of one
+worker at 1 and 0.1 Gbit/s) and prints it beside the measured training time per step (median over
+the repetitions) and their ratio; then the communication alone, the doctor's predicted exposed
+time per step against what the variant took per step beyond its own ``host`` time (which holds
+even where this host computes at another speed than when the benchmark ran); and the DiLoCo
+period the doctor predicts will hide each link.
 """
 
 from __future__ import annotations
@@ -261,6 +275,79 @@ def worker_main(config_path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def doctor_train(config_json: str) -> None:
+    """What ``--doctor-check`` has the doctor measure: the benchmark's model and batch trained by
+    px.DataParallel through px.fit, as a worker of the benchmark trains dp (the doctor stops it)."""
+    import torch
+
+    import phalanx as px
+
+    config = json.loads(config_json)
+    torch.set_num_threads(1)
+    px.init(backend="gloo")
+    train_x, train_y, _, _ = corpus_windows(config["context"])
+    torch.manual_seed(config["seed"])
+    model = build_model(config["width"], config["layers"], config["context"])
+    px.fit(model, torch.optim.Adam(model.parameters(), lr=config["lr"]), lm_loss,
+           torch.utils.data.TensorDataset(train_x, train_y), epochs=1, global_batch_size=config["global_batch"],
+           seed=config["seed"], verbose=0)
+
+
+#: The benchmark's settings as the doctor's layouts: (workers, workers per host, Gbit/s between hosts).
+DOCTOR_LAYOUTS = {"host": (2, 2, None), "1gbit": (2, 1, 1.0), "100mbit": (2, 1, 0.1)}
+#: The variants the doctor predicts, as the schedule of their exchanges (None: gradients every step).
+DOCTOR_VARIANTS = {"dp": None, "diloco10": (10, 1, 0), "diloco50": (50, 1, 0), "streaming10": (10, 2, 1)}
+
+
+def doctor_check(path: str, args: argparse.Namespace) -> int:
+    """Predicted step times of the doctor against a previous run's measured ones (see the module's docstring)."""
+    from dataclasses import replace
+
+    from phalanx.cli.doctor import diagnose
+    from phalanx.doctor import advice, predict
+    from phalanx.strategies.base import Exchanges
+
+    with open(path) as handle:
+        reports = json.load(handle)
+    config = next((r["config"] for r in reports.values() if "config" in r), None) or vars(args)
+    model_config = {key: config[key] for key in ("width", "layers", "context", "global_batch", "lr", "seed")}
+    print(f"# doctor check of {path}: {model_config}")
+    diagnosis = diagnose(os.path.abspath(__file__), ["--doctor-train", json.dumps(model_config)], workers=2,
+                         steps=args.doctor_steps, warmup=5, bandwidths_gbit=[0.1, 1.0])
+    model, run = diagnosis.model, diagnosis.measured
+    print(f"# doctor: {run.step_s * 1e3:.1f} ms a dp step on 2 workers here ({run.exposed_comm_s * 1e3:.1f} ms "
+          f"exposed), {run.model_bytes or 0:,} bytes of parameters")
+    if model is None or model.busy:
+        print("# the doctor predicted nothing (a busy host, or no transport figures): rerun on a quiet host")
+        return 1
+    print("\n| setting | variant | doctor ms/step | benchmark ms/step | doctor / benchmark | doctor's exposed comm "
+          "ms/step | benchmark beyond host ms/step |\n|---|---|---:|---:|---:|---:|---:|")
+    measured = {(setting, name): statistics.median(points[-1][1] / points[-1][0] for points in reps)
+                for setting, report in reports.items() for name, reps in report.get("curves", {}).items()}
+    for setting, (workers, per_host, bandwidth) in DOCTOR_LAYOUTS.items():
+        layout = predict.Layout(workers, per_host, bandwidth)
+        for name, schedule in DOCTOR_VARIANTS.items():
+            if (setting, name) not in measured:
+                continue
+            variant = model if schedule is None else replace(model, schedule=Exchanges(*schedule))
+            predicted = predict.predict(variant, layout)
+            step = measured[(setting, name)]
+            beyond = step - measured[("host", name)] if ("host", name) in measured else None
+            print(f"| {setting} | {name} | {predicted.step_s * 1e3:.1f} | {step * 1e3:.1f} | "
+                  f"{predicted.step_s / step:.2f} | {predicted.exposed_s * 1e3:.1f} | "
+                  f"{'-' if beyond is None else f'{beyond * 1e3:.1f}'} |")
+    for setting, (workers, per_host, bandwidth) in DOCTOR_LAYOUTS.items():
+        if bandwidth is None:
+            continue
+        layout = predict.Layout(workers, per_host, bandwidth)
+        step = predict.predict(model, layout)
+        whole = predict.exchange_time(model, layout, model.model_bytes)
+        period = advice.hiding_period(whole, step.work_s)
+        print(f"# {setting}: one exchange of the model {whole * 1e3:.1f} ms against {step.work_s * 1e3:.1f} ms of "
+              f"compute a step: the doctor's period is {period or 'none up to ' + str(advice.ROUND_PERIODS[-1])}")
+    return 0
+
+
 def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     """One job of two workers on ``setting`` (namespaces made and removed here); rank 0's report."""
     workdir = tempfile.mkdtemp(prefix="px-slow-link-")
@@ -281,7 +368,7 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
         if rate is not None:
             netns_down()
     with open(config["result_path"]) as handle:
-        return json.load(handle)
+        return {**json.load(handle), "config": config}  # the model's settings, for --doctor-check
 
 
 def reached(points: list[list[float]], target: float) -> float | None:
@@ -347,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         worker_main(argv[1])
         return 0
+    if argv[:1] == ["--doctor-train"]:
+        doctor_train(argv[1])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="dp is always measured")
@@ -365,7 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="50 steps, validated once: a smoke run")
     parser.add_argument("--json", help="also write the raw curves to this file")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per setting before giving up")
+    parser.add_argument("--doctor-check", metavar="FILE",
+                        help="hold phalanx doctor's predicted steps to a previous run's --json FILE (runs no setting)")
+    parser.add_argument("--doctor-steps", type=int, default=30, help="the doctor's measured steps (--doctor-check)")
     args = parser.parse_args(argv)
+    if args.doctor_check:
+        return doctor_check(args.doctor_check, args)
     if args.quick:
         args.steps, args.eval_every, args.reps, args.warmup = 50, 50, 1, 10
     args.variants = ["dp", *(v for v in args.variants if v != "dp")]
