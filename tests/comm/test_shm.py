@@ -385,6 +385,19 @@ HIERARCHICAL_SCRIPT = """\
         assert torch.equal(px.allreduce(mine, algorithm=algorithm), expected), algorithm
         assert torch.equal(px.allreduce(torch.tensor([rank + 1.0]), algorithm=algorithm), torch.tensor([10.0]))
     assert group.cross_link is not None and group.cross_link.alpha_s > 0, "auto did not measure the link"
+    # allgather goes through shared memory too: every rank's bytes summed into their place (-0.0 and NaN kept)
+    lengths = [3, 0, 70_001, 1]
+
+    def rows_of(r, dtype):
+        rows = (torch.arange(lengths[r] * 2, dtype=torch.float64).view(lengths[r], 2) - r).to(dtype)
+        if dtype == torch.float32 and lengths[r]:
+            rows[0] = torch.tensor([-0.0, float("nan")])
+        return rows
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        expected = torch.cat([rows_of(r, dtype) for r in range(world)]).view(torch.uint8)
+        assert px.allgather(rows_of(rank, dtype)).view(torch.uint8).equal(expected), dtype
+        assert px.allgather(rows_of(rank, dtype), lengths=lengths, check=False).view(torch.uint8).equal(expected)
     print(f"rank {rank}: hierarchical allreduce ok", flush=True)
 """
 

@@ -17,6 +17,7 @@ from torch import nn
 import phalanx as px
 from phalanx.strategies.base import held_bytes
 from phalanx.train import checkpoint_io
+from tests.cli.test_launcher import run_on_hosts, worker_env
 from tests.harness import run_workers
 from tests.train.test_fit import GLOBAL_BATCH, SAMPLES, _dataset
 
@@ -107,6 +108,23 @@ def test_level_3_gathers_on_a_worker_without_samples_and_trains_as_data_parallel
     assert "val_loss" in unsharded["history"]
 
 
+def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
+    """Two workers on each of two hosts (network namespaces; shared memory within each): level 2
+    all-reduces hierarchically and keeps its chunks, level 3 gathers its blocks over the network,
+    on a worker without samples too (sharded_hosts.py's last step)."""
+    common = ["--timeout", "60", "-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29533"]
+    out = tmp_path / "levels.pt"
+    script = [str(Path(__file__).with_name("sharded_hosts.py")), str(out)]
+    codes, outputs = run_on_hosts(two_hosts, common, script, tmp_path, worker_env(), 120)
+    assert codes == [0, 0], outputs
+    weights = torch.load(out)
+    for level in (1, 2, 3):
+        for name, value in weights[0].items():
+            torch.testing.assert_close(weights[level][name], value, rtol=1e-5, atol=1e-6, msg=f"level {level} {name}")
+    said = "".join(stdout for stdout, _ in outputs)
+    assert said.count("level 2 reduced by allreduce, sharded step") == 4, said
+
+
 def _every_level(options: dict[str, Any], unsharded: bool, own_copies: bool) -> dict[Any, dict[str, torch.Tensor]]:
     """Weights after training at each level (0 too where ``unsharded``; with ``own_copies`` also each
     level with every worker its own copy of the units, keyed ``(level, "own copies")``)."""
@@ -140,7 +158,8 @@ def _held_after_a_step(level: int) -> dict[str, int]:
     model, (x, y) = _model(), _dataset()
     before = _reachable_storages()
     model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=False).setup(model, _adam(model))
-    loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)
+    # no prefetch thread: batches it fetched ahead would still be held when the tensors are counted
+    loader = px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH, prefetch=0)
     for inputs, targets in loader:
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()

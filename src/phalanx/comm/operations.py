@@ -23,9 +23,10 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import joining, objects, wire
+from phalanx.comm import joining, objects, shm, wire
 from phalanx.comm.agreement import BAD_SPLITS, Agreeing, problem_code, read, reduction_detail, refuse_scalar
 from phalanx.comm.handles import Handle, done
+from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.routing import ALLREDUCE_ALGORITHMS, REDUCE_OPS
 from phalanx.comm.scopes import when_open
 from phalanx.errors import CollectiveMismatchError, ConfigurationError
@@ -243,11 +244,27 @@ class Collectives(Agreeing):
         data = wire.to_bytes(tensor, copy=self._size() == 1)
         if self._size() == 1:
             return done(wire.from_bytes(data, tensor.dtype, shape), async_op)
+        shared = self.shared_memory
+        if shared is not None and not tensor.is_cuda and not self._scoped() and sum(lengths) * data.shape[1]:
+            return self._allgather_by_sum(shared, data, lengths, tensor.dtype, shape, async_op)
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
         finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
         start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
         return self._launch("allgather", start, finish, async_op)
+
+    def _allgather_by_sum(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype,
+                          shape: tuple[int, ...], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+        """An allgather through shared memory: every rank's rows of bytes in their place in one buffer
+        of zeros, summed as integers over the ranks (exact: at every byte one rank's value and the
+        others' zeros). Faster than Gloo's sockets within a host; across hosts it is hierarchical, as
+        an allreduce is, and each host sends about 2(H-1)/H of the result over the network where
+        Gloo's allgather of W workers receives about L(W-1)/W at each host of L workers."""
+        whole = data.new_zeros((sum(lengths), data.shape[1]))
+        start = sum(lengths[: self._rank()])
+        whole[start: start + data.shape[0]] = data
+        return self._through(shared, whole, "sum", "backend", lambda summed: wire.from_bytes(summed, dtype, shape),
+                             async_op, name="allgather")
 
     @overload
     def reduce_scatter(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,

@@ -66,17 +66,20 @@ class OrderedExecutor(Generic[G]):
 
     def _serve(self) -> None:
         while (task := self._queue.get()) is not None:
-            work, future = task
-            try:
-                result, error = work(), None
-            except BaseException as failure:  # noqa: BLE001 - handed to whoever waits
-                result, error = None, failure
-            with self._state:  # before the waiter wakes: its next call may then run inline
-                self._pending -= 1
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
+            self._serve_one(*task)
+            del task  # the thread keeps nothing of a call (its tensors) while it waits for the next
+
+    def _serve_one(self, work: Callable[[], object], future: concurrent.futures.Future) -> None:
+        try:
+            result, error = work(), None
+        except BaseException as failure:  # noqa: BLE001 - handed to whoever waits
+            result, error = None, failure
+        with self._state:  # before the waiter wakes: its next call may then run inline
+            self._pending -= 1
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
     def close(self) -> None:
         """Abort a wait in progress, stop the thread, then free the group; a group whose call is
