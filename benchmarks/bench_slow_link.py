@@ -11,15 +11,18 @@ text corpus: the English text of Python's own documentation shipped with the int
 (``pydoc_data.topics.topics``, the topics joined in sorted order, about 465 KB), the first 95 %
 for training and the last 5 % for validation, cut into windows of ``--context`` bytes. The
 default model (width 128, 2 layers, context 64: 470,784 parameters, 1.88 MB per fp32 allreduce)
-and global batch (8 windows, 4 per worker) make the allreduce most of a px.DataParallel step at
-100 Mbit/s. Every variant trains ``--steps`` steps (S) at the same global batch with Adam, from
-the same seed (the same initial weights and the same order of batches), through ``px.fit``:
+and global batch (4 windows, 2 per worker) make the allreduce most of a px.DataParallel step at
+100 Mbit/s. dp trains ``--steps`` steps (S), every other variant up to ``--budget`` x S (B), at the
+same global batch with Adam, from the same seed (the same initial weights and the same order of
+batches), through ``px.fit``:
 
   dp          px.DataParallel: every gradient allreduced every step (fp32)
   dp-bf16     px.DataParallel(model, reduction="bf16"): half the bytes
   topk        px.DataParallel(model, reduction=px.TopK(--topk-ratio)), with error feedback
   localsgd10  px.LocalSGD(period=10)
-  diloco10    px.DiLoCo(period=10): the paper's outer Nesterov SGD (lr 0.7, momentum 0.9)
+  localsgd50  px.LocalSGD(period=50): DiLoCo(50) with an outer SGD of lr 1 and no momentum
+  diloco10    px.DiLoCo(period=10): the outer optimizer Nesterov SGD of --outer-lr and
+              --outer-momentum (the paper's lr 0.7, momentum 0.9 by default)
   diloco50    px.DiLoCo(period=50)
   streaming10 px.DiLoCo(period=10, fragments=2): Streaming DiLoCo, delay 1 (the default)
 
@@ -38,7 +41,7 @@ time. Reported per setting: each variant's training wall time for S steps (and i
 dp's: on one host, what the variant costs or saves per step), its validation loss
 after S steps (an equal number of samples) and its ratio to dp's, and the training wall time at
 which it first reached, at an evaluation point, the loss dp reaches after S steps ("not reached"
-when it does not within S steps) with the speed-up against dp's time for S steps; medians over
+when it does not within B x S steps) with the speed-up against dp's time for S steps; medians over
 ``--reps`` (ratios taken within a repetition). PASS/FAIL lines check issue 45's targets at 100
 Mbit/s: DiLoCo reaches dp's loss at least 5x sooner, and its loss after S steps is within 3 % of dp's.
 
@@ -71,8 +74,8 @@ from typing import Any
 
 from bench_ddp import netns_down, netns_up, start_workers
 
-VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "diloco10", "diloco50", "streaming10"]
-PERIODS = {"localsgd10": 10, "diloco10": 10, "diloco50": 50}  # the workers agree after multiples of these
+VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "localsgd50", "diloco10", "diloco50", "streaming10"]
+PERIODS = {"localsgd10": 10, "localsgd50": 50, "diloco10": 10, "diloco50": 50}  # the workers agree after multiples of these
 SETTINGS = {"host": None, "1gbit": "1gbit", "100mbit": "100mbit"}  # name: tbf rate (None: one host)
 VOCAB = 256
 TARGET_SPEEDUP, TARGET_LOSS_RATIO = 5.0, 1.03
@@ -135,9 +138,16 @@ def lm_loss(outputs: Any, targets: Any) -> Any:
     return F.cross_entropy(outputs.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def wrap_variant(name: str, model: Any, topk_ratio: float) -> tuple[Any, Any]:
-    """The model and strategy ``px.fit`` trains variant ``name`` with."""
+def wrap_variant(name: str, model: Any, topk_ratio: float, outer: tuple[float, float]) -> tuple[Any, Any]:
+    """The model and strategy ``px.fit`` trains variant ``name`` with; DiLoCo's outer optimizer is
+    Nesterov SGD of ``outer`` (learning rate, momentum)."""
+    import torch
+
     import phalanx as px
+
+    def outer_sgd(params: Any) -> Any:
+        lr, momentum = outer
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     if name == "dp":
         return model, None
@@ -147,12 +157,14 @@ def wrap_variant(name: str, model: Any, topk_ratio: float) -> tuple[Any, Any]:
         return px.DataParallel(model, reduction=px.TopK(topk_ratio)), None
     if name == "localsgd10":
         return model, px.LocalSGD(period=10)
+    if name == "localsgd50":
+        return model, px.LocalSGD(period=50)
     if name == "diloco10":
-        return model, px.DiLoCo(period=10)
+        return model, px.DiLoCo(period=10, outer_optimizer=outer_sgd)
     if name == "diloco50":
-        return model, px.DiLoCo(period=50)
+        return model, px.DiLoCo(period=50, outer_optimizer=outer_sgd)
     if name == "streaming10":
-        return model, px.DiLoCo(period=10, fragments=2)
+        return model, px.DiLoCo(period=10, fragments=2, outer_optimizer=outer_sgd)
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -164,7 +176,7 @@ def bytes_per_step(name: str, params: int, topk_ratio: float) -> float:
         return 2.0 * params
     if name == "topk":  # fp32 values and int64 indices of the entries kept (per bucket, about the ratio)
         return 12.0 * params * topk_ratio
-    return 4.0 * params / (50 if name == "diloco50" else 10)
+    return 4.0 * params / (50 if name.endswith("50") else 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +258,7 @@ def worker_main(config_path: str) -> None:
     def train(name: str, steps: int, every: int) -> list[tuple[int, float, float]]:
         torch.manual_seed(config["seed"])
         model = build_model(config["width"], config["layers"], config["context"])
-        trained, strategy = wrap_variant(name, model, config["topk_ratio"])
+        trained, strategy = wrap_variant(name, model, config["topk_ratio"], (config["outer_lr"], config["outer_momentum"]))
         curve = Curve(model, scorer, steps, every)
         px.fit(trained, torch.optim.Adam(model.parameters(), lr=config["lr"]), lm_loss, train_data,
                epochs=math.ceil(steps / (len(train_data) // batch)), global_batch_size=batch, seed=config["seed"],
@@ -259,7 +271,8 @@ def worker_main(config_path: str) -> None:
         order = list(config["variants"])
         random.Random(rep).shuffle(order)  # same order on every rank; no variant always follows another
         for name in order:
-            curves[name].append(train(name, config["steps"], config["eval_every"]))
+            steps = config["steps"] if name == "dp" else round(config["budget"] * config["steps"])
+            curves[name].append(train(name, steps, config["eval_every"]))
             points = curves[name][-1]
             if px.rank() == 0:
                 print(f"  [{config['setting']}] rep {rep + 1}/{config['reps']} {name}: "
@@ -354,7 +367,8 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     config = {"setting": setting, "variants": args.variants, "reps": args.reps, "steps": args.steps,
               "eval_every": args.eval_every, "warmup": args.warmup, "global_batch": args.global_batch, "lr": args.lr,
               "seed": args.seed, "width": args.width, "layers": args.layers, "context": args.context,
-              "topk_ratio": args.topk_ratio,
+              "topk_ratio": args.topk_ratio, "budget": args.budget, "outer_lr": args.outer_lr,
+              "outer_momentum": args.outer_momentum,
               "result_path": os.path.join(workdir, "result.json")}
     config_path = os.path.join(workdir, "config.json")
     with open(config_path, "w") as handle:
@@ -376,25 +390,31 @@ def reached(points: list[list[float]], target: float) -> float | None:
     return next((seconds for _, seconds, loss in points if loss <= target), None)
 
 
-def summarize(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per variant, medians over repetitions: training time for S steps, final loss and its ratio
-    to dp's, time to dp's final loss and the speed-up (over the repetitions where it was reached)."""
+def summarize(report: dict[str, Any], steps: int) -> dict[str, dict[str, Any]]:
+    """Per variant, medians over repetitions: training time for S = ``steps`` steps, the loss there
+    and its ratio to dp's, time to dp's loss at S (over every step the variant trained, up to the
+    budget) and the speed-up (over the repetitions where it was reached)."""
     curves = report["curves"]
-    reference = curves["dp"]
+    reference = [at_step(points, steps) for points in curves["dp"]]
     summary = {}
     for name, reps in curves.items():
-        times = [points[-1][1] for points in reps]
-        losses = [points[-1][2] for points in reps]
-        ratios = [loss / ref[-1][2] for loss, ref in zip(losses, reference)]
-        hits = [(reached(points, ref[-1][2]), ref[-1][1]) for points, ref in zip(reps, reference)]
+        times = [at_step(points, steps)[1] for points in reps]
+        losses = [at_step(points, steps)[2] for points in reps]
+        ratios = [loss / ref[2] for loss, ref in zip(losses, reference)]
+        hits = [(reached(points, ref[2]), ref[1]) for points, ref in zip(reps, reference)]
         found = [(hit, dp_time) for hit, dp_time in hits if hit is not None]
         summary[name] = {
             "time": statistics.median(times), "loss": statistics.median(losses),
-            "time_ratio": statistics.median(t / ref[-1][1] for t, ref in zip(times, reference)),
+            "time_ratio": statistics.median(t / ref[1] for t, ref in zip(times, reference)),
             "ratio": statistics.median(ratios), "reached": len(found), "reps": len(reps),
             "to_target": statistics.median(hit for hit, _ in found) if found else None,
             "speedup": statistics.median(dp_time / hit for hit, dp_time in found) if found else None}
     return summary
+
+
+def at_step(points: list[list[float]], step: int) -> list[float]:
+    """The evaluation point (step, training seconds, loss) at ``step``."""
+    return next(point for point in points if point[0] >= step)
 
 
 def print_table(setting: str, summary: dict[str, dict[str, Any]], args: argparse.Namespace, params: int) -> None:
@@ -422,7 +442,7 @@ def check_targets(summary: dict[str, dict[str, Any]]) -> None:
     for name in (n for n in summary if n.startswith(("diloco", "streaming"))):
         row = summary[name]
         speedup = row["speedup"]
-        said = f"{speedup:.2f}x sooner" if speedup is not None else "not reached within S steps"
+        said = f"{speedup:.2f}x sooner" if speedup is not None else "not reached within the budget"
         print(f"{'PASS' if speedup is not None and speedup >= TARGET_SPEEDUP else 'FAIL'} 100mbit {name}: "
               f"reaches dp's loss after S steps {said} (target >= {TARGET_SPEEDUP:g}x)")
         print(f"{'PASS' if row['ratio'] <= TARGET_LOSS_RATIO else 'FAIL'} 100mbit {name}: val loss after S steps "
@@ -444,14 +464,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=50, help="steps between validations (E), a multiple of 50")
     parser.add_argument("--warmup", type=int, default=20, help="untimed dp steps at the start of each job")
     parser.add_argument("--reps", type=int, default=1, help="repetitions (alternations)")
-    parser.add_argument("--global-batch", type=int, default=8,
-                        help="windows per step over both workers (4 each: the allreduce dominates at 100 Mbit/s)")
+    parser.add_argument("--global-batch", type=int, default=4,
+                        help="windows per step over both workers (2 each: the allreduce dominates at 100 Mbit/s)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (the inner one)")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=64, help="bytes per window")
     parser.add_argument("--topk-ratio", type=float, default=0.01, help="share of each bucket px.TopK sends")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", type=float, default=2.0,
+                        help="the other variants train up to BUDGET x S steps, to see when they reach dp's loss at S")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (the paper's 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9,
+                        help="DiLoCo's outer Nesterov momentum (the paper's 0.9; 0: plain SGD)")
     parser.add_argument("--quick", action="store_true", help="50 steps, validated once: a smoke run")
     parser.add_argument("--json", help="also write the raw curves to this file")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per setting before giving up")
@@ -477,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# model: byte-level causal transformer, width {args.width}, {args.layers} layers, context "
           f"{args.context}: {params:,} parameters, {4 * params / 1e6:.2f} MB per fp32 allreduce; Adam lr {args.lr:g}, "
           f"global batch {args.global_batch} windows ({args.global_batch * args.context} bytes), S = {args.steps}, "
-          f"E = {args.eval_every}, TopK ratio {args.topk_ratio:g}")
+          f"E = {args.eval_every}, TopK ratio {args.topk_ratio:g}, DiLoCo's outer SGD lr {args.outer_lr:g} momentum "
+          f"{args.outer_momentum:g}{'' if args.outer_momentum == 0 else ' (Nesterov)'}, other variants up to "
+          f"{args.budget:g} x S steps")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sys.exit(130))
     reports = {}
@@ -485,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     for setting in args.settings:
         print(f"\n# {setting}: {', '.join(args.variants)}", flush=True)
         reports[setting] = run_setting(setting, args)
-        summary = summarize(reports[setting])
+        summary = summarize(reports[setting], args.steps)
         print(f"# corpus: {reports[setting]['train_windows']} training windows, "
               f"{reports[setting]['val_windows']} validation windows")
         print_table(setting, summary, args, params)
