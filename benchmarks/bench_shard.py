@@ -1,7 +1,13 @@
-"""px.Sharded (levels 1-3) against DDP, px.DataParallel, ZeroRedundancyOptimizer and FSDP2, on this host.
+"""px.Sharded (levels 1-3) against DDP, px.DataParallel, ZeroRedundancyOptimizer and FSDP2, on this host
+or on two.
 
     python benchmarks/bench_shard.py [--reps 3] [--workers 2,4] [--models mlp,cnn,transformer]
                                      [--parts memory,speed] [--steps 10] [--variants ...]
+    python benchmarks/bench_shard.py --netns 1gbit --workers 4 --parts speed --variants px,s1,s2,s3,fsdp2
+
+With ``--netns RATE`` (root) every job runs on two network namespaces joined by a veth shaped to RATE
+(bench_ddp.py's), half of its workers in each, one ``phalanx run`` per namespace: two hosts, shared
+memory within each. There s1-s3 are what a user gets between hosts (level 3 gathers its blocks).
 
 Every measurement is one ``python -m phalanx run -n W`` job of this same file running one variant
 (for the speed part, every model in turn). Within each repetition every variant runs once, in a
@@ -47,6 +53,7 @@ Parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -68,7 +75,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ddp import MODEL_SPECS, ForeignLoad, build_model, timed_step  # noqa: E402
+from bench_ddp import (MODEL_SPECS, NETNS, NETNS_ADDR, ForeignLoad, build_model, netns_down, netns_up,  # noqa: E402
+                       timed_step)
 
 from phalanx.doctor.footprint import shared_ranges  # noqa: E402  (the doctor counts shared memory as this does)
 
@@ -334,22 +342,51 @@ def launch(part: str, variant: str, workers: int, args: argparse.Namespace) -> d
         env["PYTHONPATH"] = os.pathsep.join([args.source, *filter(None, [env.get("PYTHONPATH")])])
     if part == "memory":
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    command = [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--timeout", str(int(args.timeout)), *job]
+    run = [sys.executable, "-m", "phalanx", "run", "--timeout", str(int(args.timeout))]
+    if args.netns:  # one launcher per namespace, half of the workers each: two hosts, holding one secret
+        env["PHALANX_SECRET"] = os.urandom(24).hex()
+        port = str(29600 + random.randrange(300))
+        commands = [["ip", "netns", "exec", NETNS[node], *run, "-n", str(workers // 2), "--nnodes", "2",
+                     "--node-rank", str(node), "--master-addr", NETNS_ADDR[0], "--master-port", port, *job]
+                    for node in range(2)]
+    else:
+        commands = [[*run, "-n", str(workers), *job]]
     started = time.monotonic()
-    # a session of its own, so that a job that times out goes with its workers (its process group)
-    job_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                   start_new_session=True)
-    try:
-        stdout, stderr = job_process.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(job_process.pid, signal.SIGKILL)
-        stdout, stderr = job_process.communicate()
-        return {"error": f"{part} {variant} at {workers} workers timed out after {args.timeout:.0f} s\n{stderr[-1500:]}"}
+    # sessions of their own, so that a job that times out goes with its workers (their process groups)
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]  # no pipe to fill
+    processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
+                 for command, (out, err) in zip(commands, logs)]
+    # a launcher that fails (or the timeout) ends the others: a host alone would wait for its peer
+    while any(process.poll() is None for process in processes):
+        failed = any(process.returncode not in (None, 0) for process in processes)
+        if failed or time.monotonic() - started > args.timeout:
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            for process in processes:
+                process.wait()
+            if not failed:
+                return {"error": f"{part} {variant} at {workers} workers timed out after {args.timeout:.0f} s\n"
+                                 f"{_read(err for _, err in logs)[-1500:]}"}
+            break
+        time.sleep(0.1)
+    stdout, stderr = _read(out for out, _ in logs), _read(err for _, err in logs)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in stdout.splitlines() if "RESULT " in line]
-    if job_process.returncode != 0 or not results:
+    failed = next((process.returncode for process in processes if process.returncode != 0), 0)
+    if failed or not results:
         tail = (stderr or stdout)[-1500:]
-        return {"error": f"{part} {variant} at {workers} workers failed (exit {job_process.returncode})\n{tail}"}
+        return {"error": f"{part} {variant} at {workers} workers failed (exit {failed})\n{tail}"}
     return {"ok": results, "wall_s": time.monotonic() - started}
+
+
+def _read(files: Any) -> str:
+    """The text written to each of ``files`` (temporary files), one after the other; closes them."""
+    texts = []
+    for handle in files:
+        handle.seek(0)
+        texts.append(handle.read())
+        handle.close()
+    return "".join(texts)
 
 
 def measure(args: argparse.Namespace) -> dict[tuple[str, int, str], list[dict[str, Any]]]:
@@ -530,6 +567,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it counts as failed")
     parser.add_argument("--json", help="also write every job's raw results here")
+    parser.add_argument("--netns", metavar="RATE", help="run every job on two network namespaces joined by a veth "
+                        "shaped to RATE (tc tbf, e.g. 1gbit), half of the workers in each: two hosts (root)")
     parser.add_argument("--job", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -548,8 +587,14 @@ def main() -> None:
     args.source = _snapshot()
     started = time.monotonic()
     try:
+        if args.netns:
+            print(f"# two hosts: network namespaces {NETNS[0]} and {NETNS[1]} joined at {args.netns}, "
+                  "half of each job's workers in each", flush=True)
+            netns_up(args.netns)
         measured = measure(args)
     finally:
+        if args.netns:
+            netns_down()
         shutil.rmtree(args.source, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as handle:
