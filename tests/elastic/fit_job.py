@@ -50,14 +50,14 @@ def digest(state: dict) -> str:
 
 def train(progress: Path | None = None, checkpoints: Path | None = None, level: int = 0,
           shared_memory: bool | str = "auto", holds: dict[int, str] | None = None, diloco: bool = False,
-          copies: bool | str = "auto") -> str:
+          copies: bool | str = "auto", seed: int = 0) -> str:
     """The job's training (``level`` > 0: under px.Sharded at that level; ``diloco``: under
-    px.DiLoCo(period=4, fragments=2)); the digest of its weights."""
+    px.DiLoCo(period=4, fragments=2)), the model initialized from ``seed``; the digest of its weights."""
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
     validation = (x[:48], y[:48]) if checkpoints else None
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
                           nn.Dropout(0.2), nn.Linear(6 * 8 * 8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -83,6 +83,7 @@ if __name__ == "__main__":
     parser.add_argument("--diloco", action="store_true", help="train under px.DiLoCo(period=4, fragments=2)")
     parser.add_argument("--hold", metavar="STEP:FILE", help="after global step STEP, wait for FILE (a joiner's)")
     parser.add_argument("--started-file", help="written once started: 'join' when about to ask to join")
+    parser.add_argument("--seed-by-rank", action="store_true", help="each rank initializes the model from its rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
@@ -92,6 +93,6 @@ if __name__ == "__main__":
         Path(args.started_file).write_text("join" if joining else "founder")
     holds = {int(step): path for step, path in [args.hold.split(":", 1)]} if args.hold else None
     result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto", holds,
-                   args.diloco, False if args.no_shard_copies else "auto")
+                   args.diloco, False if args.no_shard_copies else "auto", px.rank() if args.seed_by_rank else 0)
     if px.is_master():
         torch.save({"digest": result}, args.out)

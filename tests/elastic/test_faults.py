@@ -129,6 +129,16 @@ def test_a_sharded_job_rebuilds_lost_shards_from_the_copies_in_memory_bitwise(
     assert digest == uninterrupted_sharded(level)
 
 
+def test_a_sharded_job_whose_workers_initialized_differently_trains_rank_0s_model(tmp_path: Path) -> None:
+    """Each worker seeds its model with its rank (no seed shared): the group's first formation gives
+    every rank rank 0's weights, as px.DataParallel's first synchronisation does, before the units
+    are laid out (level 3 with each worker its own copy: blocks gathered by hooks); then a death."""
+    job_args = ("--level", "3", "--own-copies", "--seed-by-rank")
+    digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: "step.end@2#6"}, job_args=job_args, checkpoints=False)
+    assert launcher.count("was lost: signal SIGKILL") == 1, launcher
+    assert digest == uninterrupted_sharded(3)
+
+
 def test_the_sharded_cases_cover_every_moment_at_every_level() -> None:
     covered = {(entry.split("@")[0], level) for spec, level, _ in SHARDED_CASES for entry in spec.split(",")}
     moments = {"init.group", "init.done", "fit.setup", "step.forward", "step.reduce", "step.end", "epoch.end",

@@ -363,9 +363,21 @@ class _Committed:
         optimizer._share_loaded_weights()
 
     def reshard(self, rank: int, world_size: int) -> None:
+        if not any(collectives.allgather_object(self.started, safe=True)):
+            self._equalize()
         self.strategy.follow_group(self.model, self.optimizer)
         if self.strategy.copies is not None:
             self.strategy.copies.retire()
+
+    @torch.no_grad()
+    def _equalize(self) -> None:
+        """The group's first formation, before anything was committed: rank 0's parameters and buffers
+        on every rank, as px.DataParallel's first synchronisation gives (each worker set the strategy
+        up alone, with its units whole, perhaps from an initialization of its own)."""
+        for unit in self.optimizer.units:
+            collectives.broadcast_(unit.flat, 0)
+        for buffer in self.model.module.buffers():
+            collectives.broadcast_(buffer, 0)
 
     def _positions(self) -> dict[int, int]:
         """Each parameter's position among the model's (the same in every process)."""
