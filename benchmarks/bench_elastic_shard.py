@@ -4,18 +4,21 @@
 
 Every measurement is one elastic ``python -m phalanx run -n W --min-workers 1`` job of this file:
 px.fit of the MLP of benchmarks/bench_ddp.py (5.26 M parameters, 1024-2048-1024-1024-10, batch 96
-per worker), Adam, a commit after every step (px.fit's elastic default), one intra-op thread per
+per worker), Adam, commits at each strategy's default interval (px.DataParallel and copies=False: every
+step; px.Sharded with copies: every 4 steps), one intra-op thread per
 worker. Variants, alternating within each repetition in a shuffled order:
 
   L0          px.DataParallel: every commit copies the whole model and Adam's state
   L1..L3      px.Sharded(level=L): every commit copies the rank's chunks into host memory (copies="auto")
   L1..L3-off  px.Sharded(level=L, copies=False): no copy (a re-formed group would read the disk)
 
-Per variant: the median time from one step's end to the next's (the commit included) on rank 0
-over --steps steps after 3 of warm-up; the commit's share is that of the copies against the same
-level without them. Recovery: the same job (copies on) with rank 1 SIGKILLed after its 6th step's
-end, before the commit (``PHALANX_FAULTS=step.end@1#6``); rank 0 reports the time from the launcher
-seeing the death to the next completed step. Held bytes per parameter: what each worker holds for
+Per variant: the mean time from one step's end to the next's on rank 0 over --steps steps (a
+multiple of 4: whole commit intervals) after 3 of warm-up, the commits included, each spread over
+its interval; the commit's share is that of the copies against the same level without them.
+Recovery: the same job (copies on) with rank 1 SIGKILLed after its 6th step's end, before that
+step's commit (``PHALANX_FAULTS=step.end@1#6``); rank 0 reports the time from the launcher seeing
+the death to the group's first commit after it (px.DataParallel: the next step; px.Sharded: step 8,
+steps 5 and 6 trained again since its last commit at step 4). Held bytes per parameter: what each worker holds for
 parameters, gradients and Adam's state between steps and what the commits' copies add
 (phalanx.strategies.base.held_per_worker and elastic_copies_per_worker, which phalanx doctor uses).
 """
@@ -132,9 +135,9 @@ def main() -> None:
                 recoveries.setdefault((level, world), []).append(result["recovery_s"])
                 print(f"rep {rep}: {name}: recovered in {result['recovery_s']} s", flush=True)
             else:
-                median = statistics.median(result["intervals"])
-                steps.setdefault((level, bool(mode), world), []).append(median)
-                print(f"rep {rep}: {name}: step + commit {median * 1e3:.1f} ms", flush=True)
+                mean = statistics.fmean(result["intervals"])  # a commit every few steps counts its share
+                steps.setdefault((level, bool(mode), world), []).append(mean)
+                print(f"rep {rep}: {name}: step + commit {mean * 1e3:.1f} ms", flush=True)
     print("\n| workers | level | step + commit, copies (ms) | without copies (ms) | copies' share | recovery (s) | held B/param | copies B/param |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for world in workers:

@@ -50,9 +50,10 @@ def digest(state: dict) -> str:
 
 def train(progress: Path | None = None, checkpoints: Path | None = None, level: int = 0,
           shared_memory: bool | str = "auto", holds: dict[int, str] | None = None, diloco: bool = False,
-          copies: bool | str = "auto", seed: int = 0) -> str:
+          copies: bool | str = "auto", seed: int = 0, commit_every: int | None = 1) -> str:
     """The job's training (``level`` > 0: under px.Sharded at that level; ``diloco``: under
-    px.DiLoCo(period=4, fragments=2)), the model initialized from ``seed``; the digest of its weights."""
+    px.DiLoCo(period=4, fragments=2)), the model initialized from ``seed``, committed every
+    ``commit_every`` steps (None: the strategy's default); the digest of its weights."""
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SAMPLES, 1, 8, 8, generator=generator)
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
@@ -62,7 +63,8 @@ def train(progress: Path | None = None, checkpoints: Path | None = None, level: 
                           nn.Dropout(0.2), nn.Linear(6 * 8 * 8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     strategy = (px.DiLoCo(period=4, fragments=2) if diloco else
-                px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory, copies=copies)
+                px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory, copies=copies,
+                           commit_every=commit_every)
                 if level else None)
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
            reproducible=not diloco, micro_batch_size=None if diloco else MICRO, verbose=0, metrics=["accuracy"],
@@ -84,6 +86,8 @@ if __name__ == "__main__":
     parser.add_argument("--hold", metavar="STEP:FILE", help="after global step STEP, wait for FILE (a joiner's)")
     parser.add_argument("--started-file", help="written once started: 'join' when about to ask to join")
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank initializes the model from its rank")
+    parser.add_argument("--default-commits", action="store_true",
+                        help="px.Sharded commits at its default interval (else after every step)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
@@ -93,6 +97,7 @@ if __name__ == "__main__":
         Path(args.started_file).write_text("join" if joining else "founder")
     holds = {int(step): path for step, path in [args.hold.split(":", 1)]} if args.hold else None
     result = train(args.progress, args.checkpoints, args.level, False if args.own_copies else "auto", holds,
-                   args.diloco, False if args.no_shard_copies else "auto", px.rank() if args.seed_by_rank else 0)
+                   args.diloco, False if args.no_shard_copies else "auto", px.rank() if args.seed_by_rank else 0,
+                   None if args.default_commits else 1)
     if px.is_master():
         torch.save({"digest": result}, args.out)

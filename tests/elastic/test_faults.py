@@ -139,6 +139,15 @@ def test_a_sharded_job_whose_workers_initialized_differently_trains_rank_0s_mode
     assert digest == uninterrupted_sharded(3)
 
 
+def test_a_sharded_job_committing_every_few_steps_trains_the_steps_since_again_bitwise(tmp_path: Path) -> None:
+    """px.Sharded's default commits (every 4 steps where copies are kept): rank 1 dies after step 6,
+    two steps past the last commit; the survivors go back to it and train steps 5 and 6 again."""
+    job_args = ("--level", "1", "--default-commits")
+    digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: "step.end@1#6"}, job_args=job_args, checkpoints=False)
+    assert launcher.count("was lost: signal SIGKILL") == 1, launcher
+    assert digest == uninterrupted_sharded(1)
+
+
 def test_the_sharded_cases_cover_every_moment_at_every_level() -> None:
     covered = {(entry.split("@")[0], level) for spec, level, _ in SHARDED_CASES for entry in spec.split(",")}
     moments = {"init.group", "init.done", "fit.setup", "step.forward", "step.reduce", "step.end", "epoch.end",

@@ -311,6 +311,12 @@ def test_a_level_that_does_not_exist_is_refused() -> None:
         px.Sharded(level=4)
 
 
+@pytest.mark.parametrize("commit_every", [0, 2.5, "4"])
+def test_a_commit_interval_that_is_not_a_whole_number_of_steps_is_refused(commit_every: Any) -> None:
+    with pytest.raises(px.ConfigurationError, match="commit_every"):
+        px.Sharded(commit_every=commit_every)
+
+
 class _Lion(torch.optim.Optimizer):
     """An elementwise optimizer of the user's own (sign of a momentum blend)."""
 

@@ -132,6 +132,9 @@ class Strategy(Protocol):
     #: Whether the State's commit holds the whole training state (then a survivor left below the
     #: minimum of workers may save it as a checkpoint to resume from).
     commits_whole_state: bool = True
+    #: Optimizer steps between an elastic job's commits (and one at each epoch's end): a lost worker
+    #: costs the steps since the last one, which the survivors train again, bitwise alike.
+    commit_every: int = 1
 
     @property
     def name(self) -> str:

@@ -319,7 +319,8 @@ def _report_resume(state: TrainState, path: Path, verbose: int, under_ray: bool)
 
 
 def _train_elastic(run: FitRun) -> None:
-    """The lockstep loop, committed after every step: a lost worker costs at most the step in flight.
+    """The lockstep loop, committed after every step (every ``strategy.commit_every``): a lost worker
+    costs at most the steps since the last commit.
 
     Everything collective happens inside the elastic protection: the replicas are made equal by the
     State's first sync, and the resume from a checkpoint is the first commit (``prepared``), so a
@@ -357,7 +358,7 @@ def _train_elastic(run: FitRun) -> None:
         if not begun:  # once per process: callbacks are this worker's own objects
             hooks.on_train_begin(state)
             begun = True
-        _train_epochs(state, hooks, val_loader, carried.commit)
+        _train_epochs(state, hooks, val_loader, carried.commit, run.strategy.commit_every)
         # Members leave together: one lost after its peers' last commit makes them re-form, so that
         # every survivor returns in the same group (one of them rank 0) rather than in a broken one.
         collectives.barrier()
@@ -393,9 +394,12 @@ def _resume_after_reform(run: FitRun, reason: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callable[[], None]) -> None:
+def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callable[[], None],
+                  commit_every: int = 1) -> None:
+    """What is left of the run's epochs; ``commit`` after every ``commit_every`` global steps and at
+    each epoch's end."""
     for epoch in range(state.epoch, state.epochs):
-        logs = _train_epoch(state, hooks, epoch, commit)
+        logs = _train_epoch(state, hooks, epoch, commit, commit_every)
         if logs is None:  # stopped mid-epoch: the position stays resumable
             return
         if val_loader is not None:
@@ -411,7 +415,8 @@ def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callab
             return
 
 
-def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[], None]) -> dict[str, float] | None:
+def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[], None],
+                 commit_every: int = 1) -> dict[str, float] | None:
     """Run what is left of ``epoch``; its global metrics, or ``None`` when a callback stopped it midway."""
     state.model.train()
     if state.epoch != epoch:
@@ -422,7 +427,7 @@ def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[],
     hooks.on_epoch_begin(epoch, state)
     if state.step < state.steps_per_epoch:  # an elastic recovery can land after the last batch
         state.loader.set_epoch(epoch)
-        finished = _train_steps(state, hooks, commit)
+        finished = _train_steps(state, hooks, commit, commit_every)
         state.guard.settle()  # a verdict still on its way (GPU) is decided before validation and checkpoints
         if not finished:
             return None
@@ -430,8 +435,9 @@ def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[],
     return reduce_metrics(state.metrics)
 
 
-def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None]) -> bool:
-    """The epoch's remaining steps; False when a callback asked to stop before its end."""
+def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None], commit_every: int = 1) -> bool:
+    """The epoch's remaining steps, committed after every ``commit_every`` global steps and where a
+    callback asks to stop; False when it asked before the epoch's end."""
     logs: dict[str, float] = {}
     started, samples = time.perf_counter(), 0
     for batch in state.loader:
@@ -447,7 +453,8 @@ def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None]) -> b
             logs = reduce_metrics(state.metrics)
         logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
         hooks.on_step_end(state.step - 1, logs, state)
-        commit()
+        if state.global_step % commit_every == 0 or state.stop_training:
+            commit()
         if state.stop_training and state.step < state.steps_per_epoch:
             return False
     return True
