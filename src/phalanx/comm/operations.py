@@ -253,13 +253,13 @@ class Collectives(Agreeing):
         start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
         return self._launch("allgather", start, finish, async_op)
 
-    def _allgather_by_sum(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype,
-                          shape: tuple[int, ...], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+    def _allgather_by_sum(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor,
+                          lengths: Sequence[int], dtype: torch.dtype, shape: tuple[int, ...],
+                          async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
         """An allgather through shared memory: every rank's rows of bytes in their place in one buffer
         of zeros, summed as integers over the ranks (exact: at every byte one rank's value and the
-        others' zeros). Faster than Gloo's sockets within a host; across hosts it is hierarchical, as
-        an allreduce is, and each host sends about 2(H-1)/H of the result over the network where
-        Gloo's allgather of W workers receives about L(W-1)/W at each host of L workers."""
+        others' zeros), without Gloo's sockets within a host; across hosts it is hierarchical, as an
+        allreduce is (shared memory within each host, Gloo between hosts per slice)."""
         whole = data.new_zeros((sum(lengths), data.shape[1]))
         start = sum(lengths[: self._rank()])
         whole[start: start + data.shape[0]] = data

@@ -15,8 +15,8 @@ only those chunks, so Adam's two moments cost ``8 / W`` bytes per parameter inst
   rank receives only the sums of its chunk; after the step the buckets' memory is freed until the
   next backward, and between steps a worker holds no gradient but its chunk's. (With the units
   in shared memory the buckets are all-reduced through it instead, which costs no more there; across
-  hosts with the shared-memory transport too, hierarchically, which sends fewer bytes over the
-  network than Gloo's flat reduce-scatter: see :func:`_scatter_by_backend`.)
+  hosts with the shared-memory transport too, hierarchically, which measured faster there than
+  Gloo's flat reduce-scatter: see :func:`_scatter_by_backend`.)
 
 An elementwise optimizer (SGD, Adam, AdamW, ...) computes the same numbers on a chunk as on the
 whole tensors, bit for bit (checked on this machine for every torch optimizer below), so sharded
@@ -51,8 +51,8 @@ from phalanx.strategies.shard_layout import Unit, check_stepped, lay_out
 
 LEVELS = (1, 2, 3)
 #: Optimizer steps between an elastic job's commits where the copies are kept: a commit copies each
-#: rank's chunks of the weights and the optimizer state, 12-18 % of a step at 2 workers every step
-#: (bench_elastic_shard.py); every 4 steps it is within 5 %, and a death costs at most 3 steps again.
+#: rank's chunks of the weights and the optimizer state, up to 18 % of a step at 2 workers every step
+#: (bench_elastic_shard.py); every 4 steps 3-5 %, and a death costs at most 3 steps trained again.
 COMMIT_EVERY = 4
 
 #: torch optimizers whose update of an element depends on that element alone (and scalars).
@@ -65,9 +65,10 @@ def _scatter_by_backend(shared: bool) -> bool:
     """Whether level 2 reduce-scatters its buckets through the backend (Gloo, NCCL), or all-reduces
     them through shared memory and keeps its chunk: with the units in shared memory (``shared``: one
     host, where that costs what a reduce-scatter costs), and across hosts where the CPU transport is
-    shared memory. That allreduce is hierarchical: across H hosts of L workers each host sends about
-    2(H-1)/H of a bucket over the network, where Gloo's reduce-scatter of the W workers sends about
-    L(W-1)/W (1.0 against 1.5 buckets at 2 hosts of 2)."""
+    shared memory, hierarchically (shared memory within each host, Gloo between hosts per slice).
+    Between two hosts of two workers at 1 Gbit/s that ran level 2 at 0.65x px.DataParallel's speed on
+    bench_shard's MLP and 0.91x on its transformer, against 0.53x and 0.74x through Gloo's flat
+    reduce-scatter (RESULTS.md)."""
     cpu_shared_memory = runtime.device().type == "cpu" and runtime.shm_executor() is not None
     return not shared and not (cpu_shared_memory and not runtime.shares_one_host())
 
@@ -451,7 +452,8 @@ class Sharded(Strategy):
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
                  fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB, gather_on_finish: bool = True,
-                 shared_memory: bool | str = "auto", copies: bool | str = "auto", commit_every: int | None = None):
+                 shared_memory: bool | str = "auto", copies: bool | str = "auto",
+                 commit_every: int | None = None):
         if level not in LEVELS:
             raise ConfigurationError(f"px.Sharded(level=...) must be one of {list(LEVELS)}, got {level!r}.")
         if commit_every is not None and (not isinstance(commit_every, int) or commit_every < 1):

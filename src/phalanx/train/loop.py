@@ -319,8 +319,8 @@ def _report_resume(state: TrainState, path: Path, verbose: int, under_ray: bool)
 
 
 def _train_elastic(run: FitRun) -> None:
-    """The lockstep loop, committed after every step (every ``strategy.commit_every``): a lost worker
-    costs at most the steps since the last commit.
+    """The lockstep loop, committed every ``strategy.commit_every`` steps (after every step unless a
+    strategy says otherwise): a lost worker costs at most the steps since the last commit.
 
     Everything collective happens inside the elastic protection: the replicas are made equal by the
     State's first sync, and the resume from a checkpoint is the first commit (``prepared``), so a
