@@ -43,6 +43,7 @@ def gpu_count() -> int:
     return int(asked.stdout.strip() or 0) if asked.returncode == 0 else 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the ``cuda`` tests where no GPU is visible; the others run the same everywhere. Under
     pytest-xdist (``-n N --dist loadgroup``), the tests on the session's Ray cluster share one worker,
