@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,17 @@ def _quickstart(folder: Path, workers: int, script: Path = EXAMPLES / "quickstar
     return re.sub(r"  \([\d.]+s\)", "", done.stdout)
 
 
+def _quickstarts(folder: Path, script: Path = EXAMPLES / "quickstart.py") -> tuple[str, str]:
+    """The quickstart at 1 and at 2 workers, at once (each mostly starts and waits), in ``folder``/1 and /2.
+    The 2-worker launcher is forked from this thread: a warm fork server started by a thread that ends
+    would die with it (the kernel's parent-death signal follows the thread that made the child)."""
+    folder.mkdir()
+    with ThreadPoolExecutor(1) as other:
+        alone = other.submit(_quickstart, folder / "1", 1, script)
+        pair = _quickstart(folder / "2", 2, script)
+        return alone.result(), pair
+
+
 def test_the_quickstart_prints_readmes_figures_at_one_and_two_workers_and_bitwise_when_reproducible(
         tmp_path: Path) -> None:
     """README's headline, checked: the same curve at 1 and 2 workers, the figures README quotes, and
@@ -55,22 +67,22 @@ def test_the_quickstart_prints_readmes_figures_at_one_and_two_workers_and_bitwis
     quoted = re.search(r"both print the same curve.*?\(`(epoch 9/9[^`]*)`\)\s+and\s+`(validation accuracy: [^`]*)`",
                        readme, re.S)
     assert quoted, "README no longer quotes the quickstart's last epoch and accuracy"
-    alone, pair = _quickstart(tmp_path / "one", 1), _quickstart(tmp_path / "two", 2)
+    alone, pair = _quickstarts(tmp_path / "default")
     curve = [line for line in alone.splitlines() if line.startswith("epoch ")]
     assert len(curve) == 10 and curve == [line for line in pair.splitlines() if line.startswith("epoch ")], pair
     for figure in quoted.groups():
         assert figure in alone and figure in pair, (figure, alone)
-    assert (tmp_path / "one" / "runs" / "quickstart").is_dir()
+    assert (tmp_path / "default" / "1" / "runs" / "quickstart").is_dir()
 
     one_more = re.search(r"add\s+`(reproducible=True, micro_batch_size=\d+)`\s+to\s+`px.fit`", readme)
     assert one_more, "README no longer shows the reproducible variant"
     script = tmp_path / "reproducible.py"
     # two epochs show the bits agree as well as ten, in a fifth of the time
     script.write_text((EXAMPLES / "quickstart.py").read_text().replace("epochs=10,", f"epochs=2, {one_more[1]},"))
+    _quickstarts(tmp_path / "reproducible", script)
     weights = []
     for workers in (1, 2):
-        _quickstart(tmp_path / f"reproducible-{workers}", workers, script)
-        newest = sorted((tmp_path / f"reproducible-{workers}" / "runs" / "quickstart").glob("checkpoint-*.pt"))[-1]
+        newest = sorted((tmp_path / "reproducible" / str(workers) / "runs" / "quickstart").glob("checkpoint-*.pt"))[-1]
         weights.append(torch.load(newest, weights_only=True)["model"])
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])

@@ -29,7 +29,9 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the kernel SIGKILL the child when its parent dies, even by SIGKILL.
 
     Everything is prepared in the parent; the child only makes the call. If the parent died
-    before the call took effect, the child exits at once instead of running as an orphan.
+    before the call took effect, the child exits at once instead of running as an orphan. The kernel
+    sends the signal when the *thread* that started the child ends: start long-lived children from
+    a thread that lives as long as they should (phalanx starts them from the main thread).
     """
     prctl = _load_prctl()
     option, death_signal = ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL)
