@@ -68,6 +68,50 @@ def test_shared_memory_gives_gloo_results_for_every_op_dtype_and_size(world_size
         assert torch.equal(got, torch.full((5,), float(total + k * world_size)))
 
 
+def _scatter_and_gather_against_gloo() -> dict:
+    """px.reduce_scatter and px.allgather (through shared memory) beside Gloo's, for uneven chunks and
+    tensors of several rounds of a slot (two ranks: the two-set layout; more: one set)."""
+    world, rank, out = px.size(), px.rank(), {"shm": runtime.shm_executor() is not None}
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16):
+        for rows in (world, 7 * world + 3, shm.SLOT_BYTES // 2 + 5):
+            tensor = _input(rank, rows, dtype)
+            for op in ("sum", "max"):
+                expected = torch.empty_like(torch.tensor_split(tensor, world)[rank])
+                dist.reduce_scatter(expected, [chunk.contiguous() for chunk in torch.tensor_split(tensor, world)],
+                                    BACKEND_OPS[op])
+                out[("reduce_scatter", dtype, rows, op)] = (px.reduce_scatter(tensor, op), expected)
+    rows = [3, 0, 300_001, 1][:world] if world > 2 else [0, 300_001]
+    mine = torch.arange(rows[rank] * 3, dtype=torch.float64).view(rows[rank], 3) - rank
+    expected = torch.cat([torch.arange(n * 3, dtype=torch.float64).view(n, 3) - r for r, n in enumerate(rows)])
+    out["allgather uneven"] = (px.allgather(mine), expected)
+    out["allgather lengths"] = (px.allgather(mine, lengths=rows, check=False), expected)
+    handles = [px.reduce_scatter(torch.full((2 * world,), float(rank + k)), async_op=True) for k in range(3)]
+    out["async in order"] = [handle.wait() for handle in handles]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_reduce_scatter_and_allgather_through_shared_memory_give_gloos_results(world_size: int) -> None:
+    results = run_workers(_scatter_and_gather_against_gloo, world_size)
+    assert all(r["shm"] for r in results)
+    for rank, result in enumerate(results):
+        for key, value in result.items():
+            if key == "shm":
+                continue
+            if key == "async in order":
+                total = sum(range(world_size))
+                assert [h.tolist() for h in value] == [[float(total + k * world_size)] * 2 for k in range(3)], value
+                continue
+            got, expected = value
+            assert got.dtype == expected.dtype and got.shape == expected.shape, (key, rank)
+            if key[0] == "reduce_scatter" and key[1] == torch.bfloat16:
+                torch.testing.assert_close(got, expected, rtol=1e-1, atol=1e-1, msg=str((key, rank)))
+            elif key[0] == "reduce_scatter" and key[1].is_floating_point:
+                torch.testing.assert_close(got, expected, msg=str((key, rank)))
+            else:
+                assert torch.equal(got, expected), (key, rank)
+
+
 def _leftovers(job: str) -> list[str]:
     return [name for name in os.listdir(shm.SHM_DIR) if name.startswith(f"{shm.PREFIX}{job}-")]
 
@@ -398,6 +442,12 @@ HIERARCHICAL_SCRIPT = """\
         expected = torch.cat([rows_of(r, dtype) for r in range(world)]).view(torch.uint8)
         assert px.allgather(rows_of(rank, dtype)).view(torch.uint8).equal(expected), dtype
         assert px.allgather(rows_of(rank, dtype), lengths=lengths, check=False).view(torch.uint8).equal(expected)
+    # reduce-scatter: each host's share of each local index's chunks, finished between hosts
+    for dtype in (torch.float64, torch.int64):
+        for numel in (4, 13, 1_500_003):  # uneven chunks; several rounds of a slot
+            mine = (torch.arange(numel, dtype=torch.float64) * (rank + 1)).to(dtype)
+            expected = torch.tensor_split((torch.arange(numel, dtype=torch.float64) * 10).to(dtype), world)[rank]
+            assert torch.equal(px.reduce_scatter(mine), expected), (dtype, numel)
     print(f"rank {rank}: hierarchical allreduce ok", flush=True)
 """
 

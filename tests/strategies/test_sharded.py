@@ -110,8 +110,9 @@ def test_level_3_gathers_on_a_worker_without_samples_and_trains_as_data_parallel
 
 def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
     """Two workers on each of two hosts (network namespaces; shared memory within each): level 2
-    all-reduces hierarchically and keeps its chunks, level 3 gathers its blocks over the network,
-    on a worker without samples too (sharded_hosts.py's last step)."""
+    reduce-scatters hierarchically (shared memory, then the chunks of the other host's ranks over the
+    network), every level all-gathers the same way, level 3 on a worker without samples too
+    (sharded_hosts.py's last step)."""
     common = ["--timeout", "60", "-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29533"]
     out = tmp_path / "levels.pt"
     script = [str(Path(__file__).with_name("sharded_hosts.py")), str(out)]
@@ -122,7 +123,7 @@ def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, tw
         for name, value in weights[0].items():
             torch.testing.assert_close(weights[level][name], value, rtol=1e-5, atol=1e-6, msg=f"level {level} {name}")
     said = "".join(stdout for stdout, _ in outputs)
-    assert said.count("level 2 reduced by allreduce, sharded step") == 4, said
+    assert said.count("level 2 reduced by reduce-scatter to shards") == 4, said
 
 
 def _every_level(options: dict[str, Any], unsharded: bool, own_copies: bool) -> dict[Any, dict[str, torch.Tensor]]:

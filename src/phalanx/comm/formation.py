@@ -117,7 +117,8 @@ def _open_shm(info: LaunchInfo, store: Any, keys: str, generation: int, transpor
     name = shm.segment_name(_job_id(store, info), generation)
     key = f"{keys}shm/{host}"
     group = created_by_first(index == 0, key, store, timeout_s,
-                              lambda create: shm.SharedMemoryGroup(name, index, len(local), timeout_s, create, cross))
+                              lambda create: shm.SharedMemoryGroup(name, index, len(local), timeout_s, create, cross,
+                                                                   hosts=_ordered(hosts)))
     dist.barrier()
     if index == 0:  # every rank has it mapped: nothing is left in /dev/shm or the store, whatever happens next
         group.unlink()
@@ -146,7 +147,7 @@ def shared_memory_beside(communicator: Communicator, tag: str, message_bytes: in
     name, key = f"{local.name}-{tag}", f"{communicator.prefix}shm/{tag}/{_host_key(communicator.info)}"
     group = created_by_first(local.rank == 0, key, store, timeout_s,
                              lambda create: shm.SharedMemoryGroup(name, local.rank, local.size, timeout_s, create, cross,
-                                                                  message_bytes))
+                                                                  message_bytes, local.hosts))
     executor.run(local.barrier)
     if local.rank == 0:  # every rank of the host has it mapped: nothing is left in /dev/shm or the store
         group.unlink()
@@ -163,10 +164,15 @@ def prefix(generation: int, incarnation: int) -> str:
 def _cross_host_groups(hosts: dict[str, list[int]], mine: int, timeout_s: float) -> dist.ProcessGroup:
     """One Gloo group per local index, joining that index's rank on every host (every rank creates
     every group, in the same order); returns this rank's."""
-    ordered = [hosts[key] for key in sorted(hosts, key=lambda key: hosts[key][0])]
+    ordered = _ordered(hosts)
     groups = [dist.new_group([ranks[index] for ranks in ordered], backend="gloo",
                              timeout=datetime.timedelta(seconds=timeout_s)) for index in range(len(ordered[0]))]
     return groups[mine]
+
+
+def _ordered(hosts: dict[str, list[int]]) -> list[list[int]]:
+    """Every host's ranks, hosts in the order of their first rank: a cross group's rank is its host's index."""
+    return [hosts[key] for key in sorted(hosts, key=lambda key: hosts[key][0])]
 
 
 def _host_key(info: LaunchInfo) -> str:

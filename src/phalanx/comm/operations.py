@@ -245,26 +245,24 @@ class Collectives(Agreeing):
         if self._size() == 1:
             return done(wire.from_bytes(data, tensor.dtype, shape), async_op)
         shared = self.shared_memory
-        if shared is not None and not tensor.is_cuda and not self._scoped() and sum(lengths) * data.shape[1]:
-            return self._allgather_by_sum(shared, data, lengths, tensor.dtype, shape, async_op)
+        if shared is not None and not tensor.is_cuda and not self._scoped():
+            return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op)
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
         finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
         start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
         return self._launch("allgather", start, finish, async_op)
 
-    def _allgather_by_sum(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor,
+    def _allgather_shared(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor,
                           lengths: Sequence[int], dtype: torch.dtype, shape: tuple[int, ...],
                           async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
-        """An allgather through shared memory: every rank's rows of bytes in their place in one buffer
-        of zeros, summed as integers over the ranks (exact: at every byte one rank's value and the
-        others' zeros), without Gloo's sockets within a host; across hosts it is hierarchical, as an
-        allreduce is (shared memory within each host, Gloo between hosts per slice)."""
-        whole = data.new_zeros((sum(lengths), data.shape[1]))
-        start = sum(lengths[: self._rank()])
-        whole[start: start + data.shape[0]] = data
-        return self._through(shared, whole, "sum", "backend", lambda summed: wire.from_bytes(summed, dtype, shape),
-                             async_op, name="allgather")
+        """An allgather of rows of bytes through shared memory, without Gloo's sockets within a host;
+        across hosts only each host's own rows leave it (see :meth:`SharedMemoryGroup.allgather_`)."""
+        row_bytes = data.shape[1]
+        whole = data.new_empty((sum(lengths), row_bytes))
+        work = lambda: shared.group.allgather_(data.view(-1), [n * row_bytes for n in lengths], whole.view(-1))  # noqa: E731
+        return self._on(shared, "allgather (shared memory)", work, lambda _: wire.from_bytes(whole, dtype, shape),
+                        async_op)
 
     @overload
     def reduce_scatter(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[False] = ...,
@@ -293,6 +291,11 @@ class Collectives(Agreeing):
         finish = self._finisher(plan, output, output)
         if self._size() == 1:
             return done(finish(received.copy_(chunks[0])), async_op)
+        shared = self.shared_memory
+        if shared is not None and not data.is_cuda and not self._scoped():
+            flat, counts = data.contiguous().view(-1), [chunk.numel() for chunk in chunks]
+            work = lambda: shared.group.reduce_scatter_(flat, counts, plan.op, received.view(-1))  # noqa: E731
+            return self._on(shared, "reduce_scatter (shared memory)", work, lambda _: finish(received), async_op)
         reduce_op = REDUCE_OPS[plan.op]
         if all(chunk.shape == received.shape for chunk in chunks):
             start = lambda: _reduce_scatter_single(received, data, reduce_op, group=self._group(data), async_op=True)  # noqa: E731

@@ -134,10 +134,20 @@ class SharedMemoryGroup:
     """The ranks of one host, reducing through one mapped segment. ``create`` on local rank 0."""
 
     def __init__(self, name: str, rank: int, size: int, timeout_s: float, create: bool,
-                 cross: dist.ProcessGroup | None = None, message_bytes: int = 0):
+                 cross: dist.ProcessGroup | None = None, message_bytes: int = 0,
+                 hosts: Sequence[Sequence[int]] | None = None):
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
         self.message_bytes = message_bytes  # per rank and arrival parity, for exchange() (0: none)
         self.cross = cross  # several hosts: this local rank's Gloo group with its peers on the others
+        # the job's ranks of every host in local order (None: one host, ranks 0..size-1); a cross group's
+        # ranks are its members' job ranks sorted (torch's rule): where each piece goes in a slot
+        ranks_by_host = [list(ranks) for ranks in hosts] if hosts is not None else [list(range(size))]
+        self.hosts = ranks_by_host
+        self._members = [sorted(ranks[local] for ranks in ranks_by_host) for local in range(size)]
+        self.job_rank = self._members[rank][dist.get_rank(cross) if cross is not None else 0]
+        # a slot holds each rank's piece local-index-major, cross rank within: each local rank's together
+        self._position = {job_rank: local * len(ranks_by_host) + index for local, members in enumerate(self._members)
+                          for index, job_rank in enumerate(members)}
         self.cross_link: cost.Link | None = None  # measured at the first "auto" allreduce
         self.direct = size == 2 and cross is None  # each rank reduces everything itself, one arrival a round
         sets, self.slot_bytes = (2, DIRECT_SLOT_BYTES) if self.direct else (1, SLOT_BYTES)
@@ -322,6 +332,87 @@ class SharedMemoryGroup:
                 return
             judge = None
 
+    def reduce_scatter_(self, flat: torch.Tensor, lengths: Sequence[int], op: str, into: torch.Tensor) -> None:
+        """Reduce the 1-D ``flat`` over the job's ranks with ``op`` and write this rank's chunk of the
+        result into ``into``: ``flat`` holds every rank's chunk in rank order, rank ``r``'s ``lengths[r]``
+        long (the same ``lengths`` on every rank).
+
+        In rounds of a slot: every rank copies a piece of each chunk into its slot, placed by local
+        index, and arrives; each rank reduces its own piece over the slots (one host), or the pieces of
+        its local index on every host, which a reduce-scatter among those ranks (the cross group)
+        finishes: so only the chunks of the other hosts leave a host, (H-1)/H of the tensor, half of
+        what an allreduce sends. A second arrival lets the slots be written again."""
+        world, host_count = len(self._position), len(self.hosts)
+        capacity = max(self.slot_bytes // flat.element_size() // world, 1)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
+        mine, longest = lengths[self.job_rank], max(lengths, default=0)
+        for start in range(0, longest, capacity):
+            stride = min(capacity, longest - start)
+            base = self._write_set()
+            self._copy_pieces_in(self._slot(base + self.rank, flat.dtype), flat, offsets, lengths, start, stride)
+            self._arrive_and_wait("copying in")
+            slots = [self._slot(base + local, flat.dtype) for local in range(self.size)]
+            count = min(mine - start, stride)
+            if host_count == 1:
+                if count > 0:
+                    at = self._position[self.job_rank] * stride
+                    _reduce_into(slots, slice(at, at + count), into[start: start + count], combine, combine_into)
+            else:
+                at = self.rank * host_count * stride
+                partial = torch.empty(host_count * stride, dtype=flat.dtype)
+                _reduce_into(slots, slice(at, at + host_count * stride), partial, combine, combine_into)
+                received = torch.empty(stride, dtype=flat.dtype)
+                dist.reduce_scatter_tensor(received, partial, algorithms.BACKEND_OPS[op], group=self.cross)
+                if count > 0:
+                    into[start: start + count].copy_(received[:count])
+            self._arrive_and_wait("reducing")
+
+    def allgather_(self, flat: torch.Tensor, lengths: Sequence[int], out: torch.Tensor) -> None:
+        """Every rank's 1-D ``flat`` (rank ``r``'s ``lengths[r]`` long, the same ``lengths`` on every
+        rank) into ``out``, in rank order.
+
+        In rounds of a slot: across hosts each rank first gathers the pieces of its local index on every
+        host (the cross group; only this host's chunks leave it, once each) into its slot; then every
+        rank copies every slot's pieces out, and arrives once more before the slots are written again."""
+        world, host_count = len(self._position), len(self.hosts)
+        capacity = max(self.slot_bytes // flat.element_size() // world, 1)
+        offsets = list(itertools.accumulate(lengths, initial=0))
+        mine, longest = lengths[self.job_rank], max(lengths, default=0)
+        for start in range(0, longest, capacity):
+            stride = min(capacity, longest - start)
+            base = self._write_set()
+            slot = self._slot(base + self.rank, flat.dtype)
+            piece = flat[start: start + max(min(mine - start, stride), 0)]
+            if host_count == 1:
+                slot[: piece.numel()].copy_(piece)
+            else:
+                padded = piece if piece.numel() == stride else torch.cat([piece, piece.new_zeros(stride - piece.numel())])
+                dist.all_gather(list(slot[: host_count * stride].split(stride)), padded, group=self.cross)
+            self._arrive_and_wait("copying in")
+            for local, members in enumerate(self._members):
+                source = self._slot(base + local, flat.dtype)
+                for index, rank in enumerate(members):
+                    count = min(lengths[rank] - start, stride)
+                    if count > 0:
+                        out[offsets[rank] + start: offsets[rank] + start + count].copy_(
+                            source[index * stride: index * stride + count])
+            self._arrive_and_wait("copying out")
+
+    def _write_set(self) -> int:
+        """The first slot of the set the next arrival's writers use: two ranks alternate two sets by the
+        arrival's parity (a set is written again two arrivals later, once every rank has read it)."""
+        return ((self._arrivals + 1) & 1) * self.size if self.direct else 0
+
+    def _copy_pieces_in(self, slot: torch.Tensor, flat: torch.Tensor, offsets: Sequence[int],
+                        lengths: Sequence[int], start: int, stride: int) -> None:
+        """Each rank's piece ``[start, start + stride)`` of its chunk of ``flat`` where the slot places it."""
+        for rank, length in enumerate(lengths):
+            count = min(length - start, stride)
+            if count > 0:
+                at = self._position[rank] * stride
+                slot[at: at + count].copy_(flat[offsets[rank] + start: offsets[rank] + start + count])
+
     def _direct_round(self, chunk: torch.Tensor, combine_into: CombineInto,
                       judge: Callable[[list[list[int]]], bool] | None, ring_late: bool = False) -> bool:
         """Two ranks: copy in, arrive, reduce both slots straight into ``chunk`` (in rank order)."""
@@ -481,6 +572,17 @@ class SharedMemoryGroup:
             raise CollectiveTimeoutError(
                 f"allreduce through shared memory on rank {self.rank} of {self.size} failed while {phase}: {why}. "
                 "The first failing rank's output names the root cause.")
+
+
+def _reduce_into(slots: Sequence[torch.Tensor], region: slice, out: torch.Tensor, combine: Combine,
+                 combine_into: CombineInto) -> None:
+    """``out`` = the slots' ``region`` combined, in local rank order (the same bits on every rank)."""
+    if len(slots) == 1:
+        out.copy_(slots[0][region])
+        return
+    combine_into(slots[0][region], slots[1][region], out)
+    for slot in slots[2:]:
+        combine(out, slot[region])
 
 
 def map_segment(name: str, nbytes: int, create: bool) -> mmap.mmap:

@@ -14,9 +14,9 @@ only those chunks, so Adam's two moments cost ``8 / W`` bytes per parameter inst
 * Level 2: each bucket is reduce-scattered instead, overlapped with backward as buckets are, so a
   rank receives only the sums of its chunk; after the step the buckets' memory is freed until the
   next backward, and between steps a worker holds no gradient but its chunk's. (With the units
-  in shared memory the buckets are all-reduced through it instead, which costs no more there; across
-  hosts with the shared-memory transport too, hierarchically, which measured faster there than
-  Gloo's flat reduce-scatter: see :func:`_scatter_by_backend`.)
+  in shared memory the buckets are all-reduced through it instead, which costs no more there.)
+  Where the CPU transport is shared memory the reduce-scatter and the all-gathers go through it,
+  hierarchically across hosts: only the chunks of other hosts cross the link, half of an allreduce.
 
 An elementwise optimizer (SGD, Adam, AdamW, ...) computes the same numbers on a chunk as on the
 whole tensors, bit for bit (checked on this machine for every torch optimizer below), so sharded
@@ -59,18 +59,6 @@ COMMIT_EVERY = 4
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
                torch.optim.ASGD, torch.optim.Rprop)
-
-
-def _scatter_by_backend(shared: bool) -> bool:
-    """Whether level 2 reduce-scatters its buckets through the backend (Gloo, NCCL), or all-reduces
-    them through shared memory and keeps its chunk: with the units in shared memory (``shared``: one
-    host, where that costs what a reduce-scatter costs), and across hosts where the CPU transport is
-    shared memory, hierarchically (shared memory within each host, Gloo between hosts per slice).
-    Between two hosts of two workers at 1 Gbit/s that ran level 2 at 0.65x px.DataParallel's speed on
-    bench_shard's MLP and 0.91x on its transformer, against 0.53x and 0.74x through Gloo's flat
-    reduce-scatter (RESULTS.md)."""
-    cpu_shared_memory = runtime.device().type == "cpu" and runtime.shm_executor() is not None
-    return not shared and not (cpu_shared_memory and not runtime.shares_one_host())
 
 
 class ShardedReduction(Reduction):
@@ -523,7 +511,7 @@ class Sharded(Strategy):
         # the job); the group's first restore lays the units out again, in shared memory where it can.
         units, reduced, shared = self._lay_out(wrapped, optimizer, alone=self.elastic)
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
-        self.reduction = ShardedReduction(reduced, params, scatter=self.level >= 2 and _scatter_by_backend(shared))
+        self.reduction = ShardedReduction(reduced, params, scatter=self.level >= 2 and not shared)
         wrapped.rebuild_reducer(reduction=self.reduction)
         return wrapped, ShardedOptimizer(optimizer, units, wrapped, self.level, self.gathering, shared)
 
@@ -574,7 +562,7 @@ class Sharded(Strategy):
             self.gathering = None
         units, reduced, shared = self._lay_out(model, optimizer.optimizer)
         assert self.reduction is not None, "follow_group comes after setup"
-        self.reduction.relay(reduced, scatter=self.level >= 2 and _scatter_by_backend(shared))
+        self.reduction.relay(reduced, scatter=self.level >= 2 and not shared)
         model.reshard(runtime.rank(), runtime.size())  # a new engine, summing as before (reproducible mode's way)
         optimizer.relay(units, self.gathering, shared)
 
