@@ -100,7 +100,7 @@ def _measured(elastic: bool = False) -> MeasuredMemory:
     """A run of 4 workers on one host that held 16 B a parameter and saved 1 B a parameter of activations
     in a forward of 64 samples."""
     return MeasuredMemory(parameters=4 * N, gradients=4 * N, step_gradients=4 * N, optimizer_state=8 * N,
-                          activations=N, activation_samples=64, parameter_count=N, weights=4 * N, state=8 * N,
+                          strategy=0.0, activations=N, activation_samples=64, parameter_count=N, weights=4 * N, state=8 * N,
                           level=0, shared=False, elastic=elastic, world_size=4, copies=12 * N, host_memory=None)
 
 

@@ -70,7 +70,7 @@ def test_dataparallel_waiting_for_a_slow_link_is_told_the_diloco_period_that_hid
     dataparallel = predict.predict(model, layout, 128)  # the measured batch per worker
     whole = predict.exchange_time(model, layout, 4_000_000)
     assert dataparallel.exposed_s > 0.5 * dataparallel.step_s and whole == pytest.approx(0.32, rel=0.02)
-    found = {r.kind: r for r in advice.recommend(run, model, None, [0.1])}
+    found = {r.kind: r for r in advice.recommend(run, model, None, [advice.link_check(run, model, 0.1)])}
     period = advice.hiding_period(whole, dataparallel.work_s)
     assert period == 100 and whole / 100 <= 0.1 * dataparallel.work_s < whole / 50
     diloco_advice = found["diloco"]
@@ -80,7 +80,8 @@ def test_dataparallel_waiting_for_a_slow_link_is_told_the_diloco_period_that_hid
     assert "changes the optimization" in diloco_advice.note and "docs/strategies.md" in diloco_advice.note
     streaming = found["streaming"]  # fragments overlap the next inner step: faster still
     assert "px.DiLoCo(period=100, fragments=" in streaming.action and streaming.step_s < diloco_advice.step_s
-    fast = advice.recommend(run, model, None, [100.0])  # a fast link: the allreduce hides behind backward
+    # a fast link: the allreduce hides behind backward
+    fast = advice.recommend(run, model, None, [advice.link_check(run, model, 100.0)])
     assert not any(r.kind in ("diloco", "streaming") for r in fast)
 
 
@@ -105,4 +106,11 @@ def test_the_doctor_names_a_diloco_script_and_measures_its_exchanges() -> None:
     run = diagnosis.measured
     assert run.strategy == f"px.DiLoCo(period={diloco.PERIOD})" and run.schedule.period == diloco.PERIOD
     assert run.exchanges >= 1 and run.exchange_bytes > 0 and run.model_bytes == 4 * (32 * 64 + 64 + 64 * 4 + 4)
-    assert f"1 step in {diloco.PERIOD} communicates" in report.render(diagnosis, str(diloco.__file__))
+    rendered = report.render(diagnosis, str(diloco.__file__))
+    assert f"1 step in {diloco.PERIOD} communicates" in rendered
+    # memory, counted before the first outer step: beside the model, its gradients and SGD (no state),
+    # DiLoCo's exchange buffer (the weights and a trailer) and the parameters of the last outer step
+    memory = diagnosis.memory.measured
+    assert memory.optimizer_state == 0 and memory.strategy == run.exchange_bytes + run.model_bytes, memory
+    assert memory.total == memory.parameters + memory.gradients + memory.strategy
+    assert "strategy's own" in rendered

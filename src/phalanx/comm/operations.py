@@ -260,7 +260,8 @@ class Collectives(Agreeing):
         across hosts only each host's own rows leave it (see :meth:`SharedMemoryGroup.allgather_`)."""
         row_bytes = data.shape[1]
         whole = data.new_empty((sum(lengths), row_bytes))
-        work = lambda: shared.group.allgather_(data.view(-1), [n * row_bytes for n in lengths], whole.view(-1))  # noqa: E731
+        byte_lengths = [n * row_bytes for n in lengths]
+        work = lambda: shared.group.allgather_(data.view(-1), byte_lengths, whole.view(-1))  # noqa: E731
         return self._on(shared, "allgather (shared memory)", work, lambda _: wire.from_bytes(whole, dtype, shape),
                         async_op)
 

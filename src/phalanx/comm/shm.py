@@ -387,7 +387,8 @@ class SharedMemoryGroup:
             if host_count == 1:
                 slot[: piece.numel()].copy_(piece)
             else:
-                padded = piece if piece.numel() == stride else torch.cat([piece, piece.new_zeros(stride - piece.numel())])
+                padded = piece if piece.numel() == stride else \
+                    torch.cat([piece, piece.new_zeros(stride - piece.numel())])
                 dist.all_gather(list(slot[: host_count * stride].split(stride)), padded, group=self.cross)
             self._arrive_and_wait("copying in")
             for local, members in enumerate(self._members):

@@ -82,9 +82,10 @@ def causes(run: Measured, reference: Measured | None, model: ScalingModel | None
 
 
 def recommend(run: Measured, model: ScalingModel | None, scale: NoiseScale | None,
-              bandwidths_gbit: Sequence[float] = ()) -> list[Recommendation]:
+              link_checks: Sequence[LinkCheck] = ()) -> list[Recommendation]:
     """Every change predicted to gain at least :data:`MIN_GAIN`, best first (none from a busy host's runs);
-    at each of ``bandwidths_gbit`` between hosts, a period of px.DiLoCo that hides the link."""
+    for each of ``link_checks`` (:func:`link_check` at a bandwidth between hosts), a period of px.DiLoCo
+    that hides the link."""
     if model is None or model.busy:
         return []
     now = predict(model, Layout(run.world_size, run.workers_per_host)).step_s
@@ -92,9 +93,8 @@ def recommend(run: Measured, model: ScalingModel | None, scale: NoiseScale | Non
              *_transport(run, model, now)]
     if scale is not None:  # a larger batch helps only as far as the noise scale says
         found += [*_accumulation(run, model, now, scale), *_batch_size(run, model, now, scale)]
-    for bandwidth in bandwidths_gbit:
-        check = link_check(run, model, bandwidth)
-        found += _local_steps(run, model, check) if check is not None else []
+    for check in link_checks:
+        found += _local_steps(run, model, check)
     return sorted((r for r in found if r.gain >= MIN_GAIN), key=lambda r: r.gain, reverse=True)
 
 

@@ -68,7 +68,7 @@ def diagnose_records(run: list[dict[str, Any]], reference: list[dict[str, Any]] 
     checks = [] if model is None or model.busy else [
         check for bandwidth in bandwidths_gbit if (check := advice.link_check(measured, model, bandwidth))]
     return Diagnosis(measured, ref, model, scale, predictions, not_predicted, assumptions(measured, model),
-                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale, bandwidths_gbit),
+                     advice.causes(measured, ref, model), advice.recommend(measured, model, scale, checks),
                      run, memory.report(run, measured.global_batch, on_host, across, measured.transport), checks)
 
 

@@ -12,6 +12,8 @@ share, 1 / the workers of the host.
 * gradients: theirs and the gradient buckets of the px.DataParallel models (those the session's
   probes are part of, and px.Sharded's);
 * optimizer state: the stepped optimizer's (px.Sharded: its chunks' state);
+* strategy: what the strategy keeps beside those (``HeldOptimizer.held_beside``): px.LocalSGD's
+  exchange buffers, px.DiLoCo's too and its outer parameters and outer optimizer's state;
 * activations: the tensors autograd saves for backward during a training forward
   (``torch.autograd.graph.saved_tensors_hooks``), parameters left out, each storage once and a view
   of a larger storage (a batch sliced from the dataset) for its own elements; of several forwards in
@@ -30,6 +32,7 @@ from torch import nn
 from phalanx.comm import runtime
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
+from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies.sharded import ShardedOptimizer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ def held(optimizer: torch.optim.Optimizer, models: Iterable[DataParallel]) -> tu
     ``optimizer`` is the one the training steps; the gradient buckets of ``models`` count (and of
     px.Sharded's model, found through its optimizer)."""
     sharded = _referring(optimizer, ShardedOptimizer, lambda owner: owner.stepping is optimizer)
+    held_by = sharded or _referring(optimizer, HeldOptimizer, lambda owner: owner.optimizer is optimizer)
     trained = [p for group in (sharded.optimizer if sharded else optimizer).param_groups for p in group["params"]]
     params = trained + ([p for group in optimizer.param_groups for p in group["params"]] if sharded else [])
     engines = {id(model): model for model in models if model.reducer is not None}
@@ -55,7 +59,9 @@ def held(optimizer: torch.optim.Optimizer, models: Iterable[DataParallel]) -> tu
     shared, share = shared_ranges(), 1 / (runtime.local_size() if runtime.is_initialized() else 1)
     counted: dict[int, int] = {}
     found: dict[str, Any] = {}
-    for kind, tensors in (("parameters", params), ("gradients", grads), ("optimizer_state", state)):
+    beside = held_by.held_beside() if held_by is not None else []
+    for kind, tensors in (("parameters", params), ("gradients", grads), ("optimizer_state", state),
+                          ("strategy", beside)):
         mine = {ptr: n for ptr, n in _storages(tensors).items() if ptr not in counted}
         counted.update(mine)
         found[kind] = sum(n * (share if _within(ptr, shared) else 1) for ptr, n in mine.items())

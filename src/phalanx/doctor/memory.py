@@ -42,6 +42,7 @@ class MeasuredMemory:
     gradients: float  # between steps
     step_gradients: float  # after backward, as the optimizer starts
     optimizer_state: float
+    strategy: float  # what the strategy keeps beside (px.LocalSGD's exchange buffers, px.DiLoCo's outer state)
     activations: float  # saved for backward by one forward of ``activation_samples`` samples
     activation_samples: int
     parameter_count: int
@@ -56,8 +57,8 @@ class MeasuredMemory:
 
     @property
     def total(self) -> float:
-        """Held between steps: parameters, gradients and optimizer state."""
-        return self.parameters + self.gradients + self.optimizer_state
+        """Held between steps: parameters, gradients, optimizer state and the strategy's own."""
+        return self.parameters + self.gradients + self.optimizer_state + self.strategy
 
     def per_parameter(self, value: float) -> float:
         """``value`` in bytes per parameter of the whole model."""
@@ -65,7 +66,8 @@ class MeasuredMemory:
 
     def as_dict(self) -> dict[str, Any]:
         kinds = {"parameters": self.parameters, "gradients": self.gradients, "step_gradients": self.step_gradients,
-                 "optimizer_state": self.optimizer_state, "activations": self.activations, "copies": self.copies,
+                 "optimizer_state": self.optimizer_state, "strategy": self.strategy, "activations": self.activations,
+                 "copies": self.copies,
                  "total": self.total}
         return {**{f"{kind}_bytes": value for kind, value in kinds.items()},
                 "bytes_per_parameter": {kind: self.per_parameter(value) for kind, value in kinds.items()},
@@ -138,14 +140,16 @@ def measure(records: list[dict[str, Any]]) -> MeasuredMemory | None:
     if len(counted) != len(records) or not counted:
         logger.info("doctor: %d of %d ranks counted their tensors; no memory figures", len(counted), len(records))
         return None
-    largest = max(counted, key=lambda m: m["parameters"] + m["gradients"] + m["optimizer_state"] + m["activations"])
+    largest = max(counted, key=lambda m: m["parameters"] + m["gradients"] + m["optimizer_state"] + m.get("strategy", 0)
+                  + m["activations"])
     first = counted[0]
     level, world = int(first["level"]), int(records[0].get("world_size", 1))
     state = sum(m["optimizer_state"] for m in counted) if level > 0 else largest["optimizer_state"]
     one_host = int(records[0].get("local_size", 1)) == world
     return MeasuredMemory(
         parameters=largest["parameters"], gradients=largest["gradients"], step_gradients=largest["step_gradients"],
-        optimizer_state=largest["optimizer_state"], activations=largest["activations"],
+        optimizer_state=largest["optimizer_state"], strategy=largest.get("strategy", 0.0),
+        activations=largest["activations"],
         activation_samples=int(largest["activation_samples"]), parameter_count=int(first["parameter_count"]),
         weights=float(first["trained_bytes"]), state=float(state), level=level, shared=bool(first["shared"]),
         elastic=bool(first["elastic"]), world_size=world,

@@ -204,6 +204,8 @@ def _memory(memory: MemoryReport | None) -> str:
     lines = [f"Memory per worker, {_level(m.level)}{where}; tensor bytes, not resident memory, the largest rank's:"]
     rows = [("parameters", m.parameters, ""), ("gradients", m.gradients, f" ({_size(m.step_gradients)} at the step)"),
             ("optimizer state", m.optimizer_state, ""),
+            *([("strategy's own", m.strategy, " (exchange buffers; DiLoCo's outer parameters, and once it has "
+                                              "stepped its outer optimizer's state)")] if m.strategy else []),
             ("activations", m.activations, f" (saved for backward by a forward of {m.activation_samples} samples)"),
             (copies[0], m.copies, f" ({copies[1]})")]
     lines += [f"  {name:<20}{_size(value):>11}  {m.per_parameter(value):6.2f} B/param{note}"

@@ -302,7 +302,8 @@ def held_bytes(model: nn.Module, optimizer: OptimizerLike, level: int, workers: 
 def announce(strategy: Strategy) -> None:
     """Tell a doctor session, if one is on, which strategy trains and how often its workers
     communicate (``profile.note``; nothing otherwise). px.fit calls it after ``setup``, and so does
-    a strategy whose ``setup`` is also meant for loops of your own."""
+    a strategy whose ``setup`` is also meant for loops of your own: the note is keyed, so a second
+    call says the same thing again rather than adding to it."""
     profile.note("strategy", {"name": strategy.name, **asdict(strategy.exchanges())})
 
 

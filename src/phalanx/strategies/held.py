@@ -38,6 +38,11 @@ class HeldOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def held_beside(self) -> list[torch.Tensor]:
+        """The tensors the strategy keeps beside the model, its gradients and the stepping optimizer's
+        state (``phalanx doctor`` counts them): none unless a strategy says otherwise."""
+        return []
+
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         """One optimizer step, taken where the strategy keeps the optimizer state."""
         if closure is not None:

@@ -80,6 +80,10 @@ class LocalSteps(HeldOptimizer):
 
     # --- the steps ---------------------------------------------------------------------------
 
+    def held_beside(self) -> list[torch.Tensor]:
+        """The buffers the parameters are exchanged in: a copy of the weights."""
+        return [bucket.flat for fragment in self.fragments for bucket in fragment.buckets]
+
     @torch.no_grad()
     def _step(self) -> None:
         """The inner step; then the exchanges that start after this step, and those due to merge."""
@@ -292,6 +296,11 @@ class OuterSteps(LocalSteps):
         super().__init__(optimizer, model, period, fragments, delay, reduction)
         self.globals = [p.detach().clone() for p in self.params]  # the parameters of the last outer step
         self.outer = outer_optimizer(self.globals)
+
+    def held_beside(self) -> list[torch.Tensor]:
+        """LocalSGD's, the parameters of the last outer step and the outer optimizer's state."""
+        state = [value for entry in self.outer.state.values() for value in entry.values() if torch.is_tensor(value)]
+        return [*super().held_beside(), *self.globals, *state]
 
     def _begin(self) -> None:
         """The replicas' first weights are the first outer step's (taken now rather than at setup:
