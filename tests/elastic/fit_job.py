@@ -88,9 +88,10 @@ if __name__ == "__main__":
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank initializes the model from its rank")
     parser.add_argument("--default-commits", action="store_true",
                         help="px.Sharded commits at its default interval (else after every step)")
+    parser.add_argument("--transport", default="auto", help="px.init(transport=...): gloo keeps no shared memory")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    px.init()
+    px.init(transport=args.transport)
     joining = px.elastic.membership() is None if px.elastic.enabled() else False
     (args.pids / (f"joiner-{os.getpid()}.pid" if joining else f"{px.rank()}.pid")).write_text(str(os.getpid()))
     if args.started_file:

@@ -129,6 +129,67 @@ def test_a_sharded_job_rebuilds_lost_shards_from_the_copies_in_memory_bitwise(
     assert digest == uninterrupted_sharded(level)
 
 
+# (faults, level): jobs of 4 workers over Gloo's sockets (no shared memory: the buddies keep the copies,
+# as between hosts) that lose 3, no pair of a worker and its buddy within one commit, with no checkpoint
+# folder. Buddies pair ranks 0-1-2-3-0 on one host (each keeps the previous one's chunks).
+BUDDY_CASES = [
+    ("step.end@1#4,step.reduce@2#9,commit.copies@3#12", 1),
+    ("init.done@2,step.end@1#13,reform.request@3", 2),
+    ("fit.setup@2,step.forward@1#7,commit.copies@3#9", 3),
+]
+
+
+@pytest.mark.parametrize("spec,level", BUDDY_CASES, ids=[f"{c[0]}-level{c[1]}" for c in BUDDY_CASES])
+def test_without_shared_memory_buddies_keep_the_copies_and_a_sharded_job_survives_bitwise(
+        tmp_path: Path, spec: str, level: int) -> None:
+    """Without host shared memory (between hosts; here transport='gloo') each rank keeps its chunks and
+    sends them to its buddy at every commit: the survivors rebuild every lost chunk from the holders,
+    with no checkpoint on disk, to the uninterrupted run's bits."""
+    job_args = ("--level", str(level), "--transport", "gloo")
+    digest, launcher = run_job(tmp_path, 4, 1, env={faults.ENV: spec}, job_args=job_args, checkpoints=False)
+    assert launcher.count("was lost: signal SIGKILL") == len(spec.split(",")), launcher
+    assert "resumed from" not in launcher, launcher
+    assert digest == uninterrupted_sharded(level)
+
+
+def test_a_worker_and_its_buddy_lost_together_resume_from_the_last_checkpoint_and_say_so(tmp_path: Path) -> None:
+    """Ranks 1 and 2 (2 keeps 1's chunks) die at the same step: nobody holds rank 1's chunks, so the
+    survivors say so and resume from the last checkpoint on disk, still to the uninterrupted run's bits."""
+    job_args = ("--level", "2", "--transport", "gloo")
+    digest, launcher = run_job(tmp_path, 4, 1, env={faults.ENV: "step.end@1#6,step.end@2#6"}, job_args=job_args)
+    assert launcher.count("was lost: signal SIGKILL") == 2, launcher
+    assert re.search(r"px.Sharded\(level=2\) lost the copies of commit \d+ with the workers that held them \(a worker "
+                     r"and its buddy, which kept its chunks, died together\), so the new group of 2 resumed from "
+                     r"\S+checkpoint-0+\d+\.pt", launcher), launcher
+    assert digest == uninterrupted_sharded(2)
+
+
+def test_a_sharded_job_that_loses_a_whole_host_rebuilds_its_shards_from_the_buddies_on_the_other(
+        tmp_path: Path, two_hosts: list[str]) -> None:
+    """Two hosts of two workers (network namespaces), level 2, no checkpoint folder: each worker's buddy
+    is on the other host, so when host 1 goes (its launcher and workers killed) the two survivors
+    rebuild all four ranks' chunks from what they hold and finish, to the uninterrupted run's bits."""
+    common = ["-n", "2", "--nnodes", "2", "--min-workers", "1", "--master-addr", "198.18.0.1", "--master-port",
+              "29535", "--timeout", "40"]
+    job_args = ["--level", "2"]
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for folder in hosts:
+        folder.mkdir()
+    with launched(hosts[0], [*common, "--node-rank", "0"], job_args, job=Path(fit_job.__file__),
+                  prefix=["ip", "netns", "exec", two_hosts[0]]) as node0, \
+            launched(hosts[1], [*common, "--node-rank", "1"], job_args, job=Path(fit_job.__file__), name="node1",
+                     prefix=["ip", "netns", "exec", two_hosts[1]]) as node1:
+        deadline = time.monotonic() + 90
+        while max(node0.step(), node1.step()) < 6:  # rank 0 writes the step, on whichever host it is
+            assert time.monotonic() < deadline and node0.process.poll() is None, node0.output() + node1.output()
+            time.sleep(0.05)
+        node1.kill()
+        assert node0.wait(120) == 0, node0.output()
+    said = node0.stderr
+    assert "resumed from" not in said and "lost the copies" not in said, said
+    assert node0.result()["digest"] == uninterrupted_sharded(2)
+
+
 def test_a_sharded_job_whose_workers_initialized_differently_trains_rank_0s_model(tmp_path: Path) -> None:
     """Each worker seeds its model with its rank (no seed shared): the group's first formation gives
     every rank rank 0's weights, as px.DataParallel's first synchronisation does, before the units
@@ -163,8 +224,8 @@ def test_a_sharded_job_without_copies_resumes_from_its_last_checkpoint_at_the_ne
     job_args = ("--level", "2", "--no-shard-copies")
     digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: "step.end@1#5,checkpoint.write@0#2"}, job_args=job_args)
     assert launcher.count("was lost: signal SIGKILL") == 2, launcher
-    assert re.search(r"px.Sharded\(level=2\) holds no copy of another worker's shards \(copies=False, or workers on "
-                     r"several hosts\), so the new group of [12] resumed from \S+checkpoint-0+\d+\.pt", launcher), launcher
+    assert re.search(r"px.Sharded\(level=2\) holds no copy of another worker's shards \(copies=False\), so the new "
+                     r"group of [12] resumed from \S+checkpoint-0+\d+\.pt", launcher), launcher
     assert digest == uninterrupted_sharded(2)
 
 

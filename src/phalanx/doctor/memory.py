@@ -54,6 +54,7 @@ class MeasuredMemory:
     world_size: int
     copies: float  # per worker, what an elastic commit keeps (the run's, or if it were elastic)
     host_memory: int | None
+    one_host: bool = True  # every worker of the run on one host (px.Sharded's copies in host memory)
 
     @property
     def total(self) -> float:
@@ -154,7 +155,7 @@ def measure(records: list[dict[str, Any]]) -> MeasuredMemory | None:
         weights=float(first["trained_bytes"]), state=float(state), level=level, shared=bool(first["shared"]),
         elastic=bool(first["elastic"]), world_size=world,
         copies=elastic_copies_per_worker(float(first["trained_bytes"]), float(state), level, world, one_host),
-        host_memory=records[0]["host"].get("memory_bytes"))
+        host_memory=records[0]["host"].get("memory_bytes"), one_host=one_host)
 
 
 def budget(host_memory: int | None, workers_per_host: int) -> float | None:

@@ -199,8 +199,8 @@ def _memory(memory: MemoryReport | None) -> str:
     where = ", units in host shared memory (a worker's share counted)" if m.shared else ""
     copies = ("copies (elastic)" if m.elastic else "copies if elastic",
               "a whole copy of the weights and the optimizer state" if m.level == 0 else
-              "two slots of this worker's chunks in host shared memory" if m.copies else
-              "none between hosts: a re-formed group reads the last checkpoint")
+              "two slots of this worker's chunks in host shared memory" if m.one_host else
+              "two slots of its chunks and two of its ward's: it is that worker's buddy on another host")
     lines = [f"Memory per worker, {_level(m.level)}{where}; tensor bytes, not resident memory, the largest rank's:"]
     rows = [("parameters", m.parameters, ""), ("gradients", m.gradients, f" ({_size(m.step_gradients)} at the step)"),
             ("optimizer state", m.optimizer_state, ""),

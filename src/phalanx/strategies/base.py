@@ -129,6 +129,9 @@ class Strategy(Protocol):
     #: Whether a re-formed elastic group reads the last checkpoint on disk (the committed objects
     #: hold no copy of a lost worker's state) rather than going on from the last commit in memory.
     resumes_from_disk: bool = False
+    #: Whether a re-formed group may have to (a strategy whose copies can die with the workers that
+    #: hold them): an elastic px.fit with a checkpoint folder then saves one before the first step.
+    may_resume_from_disk: bool = False
     #: Whether the State's commit holds the whole training state (then a survivor left below the
     #: minimum of workers may save it as a checkpoint to resume from).
     commits_whole_state: bool = True
@@ -276,11 +279,11 @@ def elastic_copies_per_worker(weights: float, state: float, level: int, workers:
     """Bytes an elastic commit keeps per worker beside training. px.DataParallel (level 0): a whole copy
     of the weights and the optimizer state in the worker's memory (the elastic State's commit).
     px.Sharded: on one host, two slots of the worker's chunks of both in host shared memory
-    (strategies/shard_copies.py), ``2 * (weights + state) / workers``; between hosts none, as a
-    re-formed group reads the last checkpoint from disk."""
+    (strategies/shard_copies.py), ``2 * (weights + state) / workers``; between hosts two slots of
+    its own chunks and two of its ward's (it is that worker's buddy), twice that."""
     if level == 0:
         return weights + state
-    return 2 * (weights + state) / workers if one_host else 0.0
+    return (2 if one_host else 4) * (weights + state) / workers
 
 
 def trained_bytes(model: nn.Module) -> int:

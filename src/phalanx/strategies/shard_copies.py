@@ -1,20 +1,26 @@
-"""px.Sharded's committed shards in host memory: a lost worker's shards rebuilt with no disk read.
+"""px.Sharded's committed shards: a lost worker's shards rebuilt with no disk read.
 
 No worker holds another's chunks of the weights and the optimizer state, so an elastic commit of a
-sharded run keeps each rank's chunks where every worker of the host can read them: one shared-memory
-segment per generation, in which each rank writes, at each commit, its chunks into one of two
-*slots* (the commit's version modulo 2) and then stamps the slot with the version. A barrier ends
-the commit, so a worker whose commit of version ``v`` completed knows that every rank's slot for
-``v`` is whole; the other slot keeps ``v - 1`` whole for the survivors of a death during the commit
-(they restore ``v - 1``). The segment outlives any worker of the host: after a re-form a survivor
-reads every old rank's chunks from it, the dead ones' too, and broadcasts each unit whole, unit by
-unit, to the new group, where every rank keeps its new chunk (:func:`rebuild`).
+sharded run keeps a copy of each rank's chunks somewhere a death does not take them, in one of two
+*slots* (the commit's version modulo 2): the other slot keeps ``v - 1`` whole for the survivors of a
+death during the commit of ``v`` (they restore ``v - 1``).
 
-Cost: two slots of one rank's chunks per worker (``2 * (weights + state) / workers``: 6 bytes a
-parameter for Adam in float32 at 4 workers), one copy of the chunks and a barrier per commit.
-Copies need every worker on one host (:func:`possible`; a world of one keeps them in its own
-memory, for the workers that join it); between hosts a re-formed group resumes from the last
-checkpoint on disk.
+* :class:`HostCopies`, every worker on one host: one shared-memory segment per generation, in which
+  each rank writes its chunks and stamps its slot with the version; a barrier ends the commit, so a
+  worker whose commit of ``v`` completed knows every rank's slot for ``v`` is whole. The segment
+  outlives any worker of the host: the survivors read every old rank's chunks from it, the dead
+  ones' too. Cost: ``2 * (weights + state) / workers`` per worker (6 bytes a parameter for Adam in
+  float32 at 4 workers), one copy of the chunks and a barrier per commit.
+* :class:`BuddyCopies`, workers on several hosts (or without shared memory): each rank keeps its
+  chunks in its own memory and sends them to its *buddy*, the next rank in a ring that visits every
+  host before it visits a host again (so a buddy is on another host wherever there is one), which
+  keeps them too. A worker's chunks survive unless it and its buddy die together; a whole host's
+  loss costs nothing where each host's buddies are on another. Cost: ``4 * (weights + state) /
+  workers`` per worker (its own two slots and its ward's), and each commit sends one rank's chunks
+  over the network (an alltoall in which each rank sends only to its buddy).
+
+After a re-form :func:`rebuild` finds, for every old rank, a survivor that holds its chunks of the
+agreed version, and every rank keeps its new chunks of each unit, assembled from those holders.
 """
 
 from __future__ import annotations
@@ -71,9 +77,15 @@ class Segment:
         return bool((self.stamps[slot] == version).all())
 
 
-def possible() -> bool:
-    """Whether this generation can keep copies: every worker on this host (or a world of one)."""
+def in_host_memory() -> bool:
+    """Whether this generation keeps its copies in host memory: every worker on this host (or a world
+    of one); elsewhere buddies keep them."""
     return runtime.size() == 1 or host_memory.possible()
+
+
+def kept_copies() -> HostCopies | BuddyCopies:
+    """The copies an elastic job of this generation's shape keeps (see the module's docstring)."""
+    return HostCopies() if in_host_memory() else BuddyCopies()
 
 
 class HostCopies:
@@ -109,45 +121,140 @@ class HostCopies:
         collectives.barrier()
         del self.segments[:-1]
 
-    def holding(self, version: int) -> Segment | None:
-        """The newest segment whose slot for ``version`` is whole for every rank it was made for, if this
-        worker maps one."""
+    def possible(self) -> bool:
+        """Whether the current generation can commit into host memory."""
+        return in_host_memory()
+
+    def holding(self, version: int) -> Holding | None:
+        """Every old rank's parts of ``version``, from the newest segment whose slot for it is whole,
+        if this worker maps one."""
         for segment in reversed(self.segments):
             if segment.whole(version % 2, version):
-                return segment
+                world = len(segment.stamps[0])
+                return Holding(segment.entries, {rank: [segment.part(version % 2, rank, index)
+                                                        for index in range(len(segment.entries))]
+                                                 for rank in range(world)})
         return None
 
 
-def rebuild(copies: HostCopies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
+@dataclass
+class Holding:
+    """What one worker can give back of one commit: the entries, and the parts of the old ranks it
+    holds (old rank -> one tensor per entry)."""
+
+    entries: list[Entry]
+    parts: dict[int, list[torch.Tensor]]
+
+
+class BuddyCopies:
+    """Each rank's committed chunks in its own memory and its buddy's (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.slots: list[tuple[int, Holding] | None] = [None, None]  # (version, holding) by version % 2
+        self.ring: list[int] | None = None  # this generation's ranks in buddy order (made at its first commit)
+
+    def retire(self) -> None:
+        """A re-formed group orders its ring again; the holdings name the old ranks they hold, and stay
+        until commits of the new group replace them."""
+        self.ring = None
+
+    def possible(self) -> bool:
+        return True
+
+    def commit(self, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
+               positions: dict[int, int]) -> None:
+        """Keep this rank's chunks of ``units`` (weights and ``state``) for ``version``, send them to the
+        buddy and keep the ward's. Collective (an alltoall, then a barrier); where it fails the slot of
+        ``version`` keeps what it held."""
+        entries = _entries(units, state, positions)
+        rank, world = runtime.rank(), runtime.size()
+        mine = [(unit_of(units, entry).shard.detach() if entry.key == WEIGHTS else
+                 state[unit_of(units, entry).shard][entry.key]).reshape(-1).clone() for entry in entries]
+        parts = {rank: mine}
+        faults.point("commit.copies")
+        if world > 1:
+            if self.ring is None:
+                self.ring = _ring()
+            at = self.ring.index(rank)
+            buddy, ward = self.ring[(at + 1) % world], self.ring[at - 1]
+            sent = torch.cat([part.view(torch.uint8) for part in mine]) if mine else torch.empty(0, dtype=torch.uint8)
+            splits = [sent.numel() if r == buddy else 0 for r in range(world)]
+            received = collectives.alltoall(sent, splits, check=False)
+            parts[ward] = _unpacked(received, entries, ward)
+        collectives.barrier()
+        self.slots[version % 2] = (version, Holding(entries, parts))
+
+    def holding(self, version: int) -> Holding | None:
+        """The parts of ``version`` this worker holds (its own and its ward's), if it committed it."""
+        kept = self.slots[version % 2]
+        return kept[1] if kept is not None and kept[0] == version else None
+
+
+def unit_of(units: Sequence[Unit], entry: Entry) -> Unit:
+    return units[entry.unit]
+
+
+def _ring() -> list[int]:
+    """Every rank in buddy order: by index on its host, then by host (collective), so that consecutive
+    ranks are on different hosts wherever there are several; a rank's buddy is the next one."""
+    places = collectives.allgather_object((runtime.local_rank(), runtime.node_rank()), safe=True)
+    return sorted(range(len(places)), key=lambda rank: (*places[rank], rank))
+
+
+def _unpacked(received: torch.Tensor, entries: Sequence[Entry], rank: int) -> list[torch.Tensor]:
+    """``rank``'s parts of ``entries`` from the bytes it sent (its parts, in entry order)."""
+    parts, offset = [], 0
+    for entry in entries:
+        size = torch.empty(0, dtype=entry.dtype).element_size() * entry.lengths[rank]
+        parts.append(received[offset: offset + size].clone().view(entry.dtype))
+        offset += size
+    return parts
+
+
+def rebuild(copies: HostCopies | BuddyCopies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
             positions: dict[int, int]) -> bool:
     """Fill this rank's chunks of ``units`` (laid out for the new group, perhaps into other units
     than the copies': level 3 gathers blocks between hosts) and of ``state`` from the copies of
-    ``version`` that a survivor maps; whether any member held them (collective: when none does,
-    nothing is changed on any rank).
+    ``version`` the survivors hold; whether every old rank's were held (collective: where one's are
+    lost, nothing is changed on any rank).
 
-    The holder with the lowest rank broadcasts each old unit's entries whole (the old ranks' parts
-    in order), one at a time; every rank keeps what falls in its new chunks, parameter by parameter,
-    so a rank holds at most one unit's entry beyond its own chunks.
+    Each old rank's parts come from the lowest new rank that holds them. One entry of one old unit at
+    a time, every rank writes the parts it gives in their place in a buffer of zeros, and the
+    buffers are summed as bytes (exact: each byte is one holder's, the others' zeros); every rank
+    keeps what falls in its new chunks, so a rank holds at most one unit's entry beyond its own.
     """
-    segment = copies.holding(version)
-    held = collectives.allgather_object(segment is not None, safe=True)
-    if not any(held):
+    holding = copies.holding(version)
+    offered = collectives.allgather_object(sorted(holding.parts) if holding is not None else [], safe=True)
+    givers = [new for new, ranks in enumerate(offered) if ranks]
+    if not givers:
         return False
-    root = held.index(True)
-    entries = collectives.broadcast_object(segment.entries if segment is not None else None, root)
+    entries = collectives.broadcast_object(holding.entries if holding is not None else None, givers[0])
+    old_world = len(entries[0].lengths) if entries else 0
+    giver = {}
+    for new, ranks in enumerate(offered):
+        for old in ranks:
+            giver.setdefault(old, new)
+    if len(giver) < old_world:
+        lost = sorted(set(range(old_world)) - set(giver))
+        logger.warning("px.Sharded: the copies of commit %d of old rank(s) %s died with the workers that held "
+                       "them", version, lost)
+        return False
     places = _places(units, positions)
     _check_same_parameters(entries, places)
     for key, dtype in {(entry.key, entry.dtype) for entry in entries if entry.key != WEIGHTS and not entry.scalar}:
         for unit in units:  # filled below where this rank's chunks fall; an empty chunk stays empty
             state.setdefault(unit.shard, {})[key] = torch.zeros(unit.own.stop - unit.own.start, dtype=dtype)
-    slot = version % 2
+    me = runtime.rank()
     for index, entry in enumerate(entries):
-        if segment is not None and runtime.rank() == root:
-            parts = [segment.part(slot, rank, index) for rank in range(len(entry.lengths))]
-            whole = parts[0].clone() if entry.scalar else torch.cat(parts)
-        else:
-            whole = torch.empty(1 if entry.scalar else sum(entry.lengths), dtype=entry.dtype)
-        collectives.broadcast_(whole, root)
+        lengths = (1,) if entry.scalar else entry.lengths
+        whole = torch.zeros(sum(lengths), dtype=entry.dtype)
+        offset = 0
+        for old, length in enumerate(lengths):
+            if giver[old] == me:
+                assert holding is not None
+                whole[offset: offset + length].copy_(holding.parts[old][index])
+            offset += length
+        collectives.allreduce_(whole.view(torch.uint8), "sum", check=False)
         _keep_mine(entry, whole, units, places, state)
     return True
 

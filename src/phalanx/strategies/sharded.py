@@ -323,7 +323,7 @@ class _Committed:
         version: int | None = None
         if self.started:
             version = 0
-            if copies is not None and shard_copies.possible():
+            if copies is not None and copies.possible():
                 self.version = version = self.version + 1
                 copies.commit(version, self.optimizer.units, self.optimizer.stepping.state, self._positions())
         return {"copies": version, "hyperparameters": self.optimizer.hyperparameters(),
@@ -338,8 +338,9 @@ class _Committed:
         if version is None:
             return
         if version == 0:
-            self.strategy.lost = (f"{self.strategy.name} holds no copy of another worker's shards (copies=False, or "
-                                  "workers on several hosts)")
+            why = ("copies=False" if self.strategy.keep_copies is False else
+                   "its copies were in one host's memory, and workers on other hosts joined")
+            self.strategy.lost = f"{self.strategy.name} holds no copy of another worker's shards ({why})"
             return
         optimizer = self.optimizer
         optimizer.load_state_dict({**state_dict["hyperparameters"], "state": {}})
@@ -347,7 +348,7 @@ class _Committed:
         if not shard_copies.rebuild(self.strategy.copies, version, optimizer.units, optimizer.stepping.state,
                                     self._positions()):
             self.strategy.lost = (f"{self.strategy.name} lost the copies of commit {version} with the workers that "
-                                  "held them")
+                                  "held them (a worker and its buddy, which kept its chunks, died together)")
             return
         self.version = version
         with torch.no_grad():
@@ -430,10 +431,10 @@ class Sharded(Strategy):
     reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
     and level 3 has nothing to gather); ``False`` gives each worker its copy (levels 1-2, kept equal by
     all-gathers) or its chunks (level 3, gathered per block). ``copies`` (elastic jobs): ``"auto"``
-    commits every rank's chunks in host memory when every worker is on this host, so that a
-    re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits none
-    (a re-formed group resumes from the last checkpoint on disk); ``True`` refuses a launch where
-    copies cannot be kept. ``commit_every`` (elastic jobs): optimizer steps between commits, by
+    (or ``True``) commits every rank's chunks where a death does not take them, in host memory when
+    every worker is on this host, else in the rank's memory and its buddy's on another host, so that
+    a re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits
+    none (a re-formed group resumes from the last checkpoint on disk). ``commit_every`` (elastic jobs): optimizer steps between commits, by
     default :data:`COMMIT_EVERY` where copies are kept (each commit copies the rank's chunks) and 1
     where none are; a death costs the steps since the last commit, trained again bitwise alike.
     """
@@ -463,7 +464,7 @@ class Sharded(Strategy):
         if copies not in ("auto", True, False):
             raise ConfigurationError(f"px.Sharded(copies=...) must be 'auto', True or False, got {copies!r}.")
         self.keep_copies = copies
-        self.copies: shard_copies.HostCopies | None = None
+        self.copies: shard_copies.HostCopies | shard_copies.BuddyCopies | None = None
         self.resumes_from_disk = copies is False  # set again by check, where the launch is known
         self.lost: str | None = None  # why the last re-formed group could not rebuild the shards in memory
 
@@ -481,16 +482,14 @@ class Sharded(Strategy):
         if options.manual_step:
             refuse(self.name, "a step_fn that steps its own optimizers", "the strategy steps the optimizer on its shards; "
                    "give step_fn(model, batch) and let px.fit step.")
-        kept = self.keep_copies is not False and shard_copies.possible()
-        if options.elastic and self.keep_copies is True and not kept:
-            refuse(self.name + " with copies=True", "workers on several hosts", "the committed shards are kept in one "
-                   "host's memory; use copies='auto' (a re-formed group then reads the last checkpoint on disk).")
+        kept = self.keep_copies is not False
         self.resumes_from_disk = options.elastic and not kept
+        self.may_resume_from_disk = options.elastic  # without copies, or a worker and its buddy lost together
         if self.resumes_from_disk and options.checkpoint_dir is None:
             refuse(self.name, "an elastic job without checkpoint_dir", "no worker holds a copy of another's shards "
-                   f"({'copies=False' if self.keep_copies is False else 'the workers are on several hosts'}), so after "
-                   "a worker is lost the group resumes from the last checkpoint on disk: give checkpoint_dir.")
-        self.copies = shard_copies.HostCopies() if options.elastic and kept else None
+                   "(copies=False), so after a worker is lost the group resumes from the last checkpoint on disk: "
+                   "give checkpoint_dir.")
+        self.copies = shard_copies.kept_copies() if options.elastic and kept else None
         default = COMMIT_EVERY if self.copies is not None else 1
         self.commit_every = self.chosen_commit_every if self.chosen_commit_every is not None else default
 

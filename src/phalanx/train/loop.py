@@ -331,7 +331,7 @@ def _train_elastic(run: FitRun) -> None:
                "loop": LoopPosition(state), "precision": state.precision, "lr_schedule": state.rates,
                **({"val_loader": val_loader} if val_loader is not None else {}),
                **({"exact": state.exact} if state.exact is not None else {})}
-    from_disk = run.strategy.resumes_from_disk
+    from_disk = run.strategy.resumes_from_disk or run.strategy.may_resume_from_disk
     last = None
     if run.checkpoint_dir is not None:
         Path(run.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -347,7 +347,7 @@ def _train_elastic(run: FitRun) -> None:
         generation = _generation()
         if not carried.prepared:
             run.prepare()
-            if from_disk and state.checkpointed_step != state.global_step:
+            if from_disk and run.checkpoint_dir is not None and state.checkpointed_step != state.global_step:
                 checkpoint.save(state, run.checkpoint_dir)  # something to resume from before the first save
             carried.prepared = True
             carried.commit()
