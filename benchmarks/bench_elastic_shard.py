@@ -1,6 +1,7 @@
 """What px.Sharded's in-memory copies cost an elastic job, and how fast a job recovers with them.
 
     python benchmarks/bench_elastic_shard.py [--reps 3] [--workers 2,3,4] [--levels 0,1,2,3] [--steps 12]
+                                            [--transport auto|gloo]
 
 Every measurement is one elastic ``python -m phalanx run -n W --min-workers 1`` job of this file:
 px.fit of the MLP of benchmarks/bench_ddp.py (5.26 M parameters, 1024-2048-1024-1024-10, batch 96
@@ -11,6 +12,9 @@ worker. Variants, alternating within each repetition in a shuffled order:
   L0          px.DataParallel: every commit copies the whole model and Adam's state
   L1..L3      px.Sharded(level=L): every commit copies the rank's chunks into host memory (copies="auto")
   L1..L3-off  px.Sharded(level=L, copies=False): no copy (a re-formed group would read the disk)
+
+With ``--transport gloo`` the workers keep no shared memory, as between hosts: each px.Sharded worker
+its own units, and the copies kept by buddies (each rank's chunks sent to the next rank at a commit).
 
 Per variant: the mean time from one step's end to the next's on rank 0 over --steps steps (a
 multiple of 4: whole commit intervals) after 3 of warm-up, the commits included, each spread over
@@ -41,8 +45,8 @@ HERE = Path(__file__).resolve().parent
 WARMUP = 3
 
 
-def job(level: int, copies: bool, steps: int, out: str) -> None:
-    """One elastic px.fit run; rank 0 writes the step intervals to ``out``."""
+def job(level: int, copies: bool, steps: int, out: str, transport: str) -> None:
+    """One elastic px.fit run over ``transport``; rank 0 writes the step intervals to ``out``."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -50,7 +54,7 @@ def job(level: int, copies: bool, steps: int, out: str) -> None:
     import phalanx as px
 
     torch.set_num_threads(1)
-    px.init()
+    px.init(transport=transport)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
                           nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
@@ -74,7 +78,7 @@ def job(level: int, copies: bool, steps: int, out: str) -> None:
         Path(out).write_text(json.dumps({"intervals": intervals}))
 
 
-def launch(level: int, copies: bool, workers: int, steps: int, kill: bool) -> dict:
+def launch(level: int, copies: bool, workers: int, steps: int, kill: bool, transport: str) -> dict:
     """One job; its step intervals, or the recovery time it reported."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "out.json")
@@ -82,7 +86,7 @@ def launch(level: int, copies: bool, workers: int, steps: int, kill: bool) -> di
         if kill:
             env["PHALANX_FAULTS"] = "step.end@1#6"
         command = [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--min-workers", "1", "--timeout", "60",
-                   __file__, "--job", str(level), str(int(copies)), str(steps), out]
+                   __file__, "--job", str(level), str(int(copies)), str(steps), out, transport]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parent)
         if done.returncode != 0:
             return {"failed": (done.stdout + done.stderr)[-1500:]}
@@ -93,13 +97,14 @@ def launch(level: int, copies: bool, workers: int, steps: int, kill: bool) -> di
         return result
 
 
-def held_per_parameter(level: int, workers: int) -> tuple[float, float]:
-    """Bytes a worker holds per parameter (Adam, float32, on one host: px.Sharded's units in shared
-    memory) and what the elastic commits add, from the one place phalanx writes them down."""
+def held_per_parameter(level: int, workers: int, shared: bool) -> tuple[float, float]:
+    """Bytes a worker holds per parameter (Adam, float32; ``shared``: px.Sharded's units and copies in
+    host shared memory, else its own and the copies with buddies) and what the elastic commits add,
+    from the one place phalanx writes them down."""
     from phalanx.strategies.base import elastic_copies_per_worker, held_per_worker
 
-    held = held_per_worker(4.0, 8.0, level, workers, shared=True).total
-    return held, elastic_copies_per_worker(4.0, 8.0, level, workers, one_host=True)
+    held = held_per_worker(4.0, 8.0, level, workers, shared=shared).total
+    return held, elastic_copies_per_worker(4.0, 8.0, level, workers, one_host=shared)
 
 
 def main() -> None:
@@ -108,11 +113,13 @@ def main() -> None:
     parser.add_argument("--workers", default="2,3,4")
     parser.add_argument("--levels", default="0,1,2,3")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--job", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="auto", choices=["auto", "gloo"],
+                        help="gloo: no shared memory, so px.Sharded's copies are kept by buddies (as between hosts)")
+    parser.add_argument("--job", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        level, copies, steps, out = args.job
-        job(int(level), bool(int(copies)), int(steps), out)
+        level, copies, steps, out, transport = args.job
+        job(int(level), bool(int(copies)), int(steps), out, transport)
         return
     workers = [int(w) for w in args.workers.split(",")]
     levels = [int(level) for level in args.levels.split(",")]
@@ -125,7 +132,7 @@ def main() -> None:
         random.Random(rep).shuffle(order)
         for world, (level, mode) in order:
             kill = mode == "kill"
-            result = launch(level, bool(mode), world, args.steps, kill)
+            result = launch(level, bool(mode), world, args.steps, kill, args.transport)
             name = f"L{level}{'' if mode else '-off'}{' killed' if kill else ''} at {world}"
             if "failed" in result:
                 failures.append(f"{name}: {result['failed']}")
@@ -147,7 +154,7 @@ def main() -> None:
             ratio = (f"{statistics.median(with_copies) / statistics.median(without) - 1:+.1%}"
                      if with_copies and without else "")
             kept = [r for r in recoveries.get((level, world), []) if r is not None]
-            own, copies = held_per_parameter(level, world)
+            own, copies = held_per_parameter(level, world, shared=args.transport == "auto")
             print(f"| {world} | {'px.DataParallel' if level == 0 else f'px.Sharded({level})'} | "
                   f"{statistics.median(with_copies) * 1e3:.1f} | " if with_copies else f"| {world} | {level} | - | ",
                   end="")

@@ -168,8 +168,8 @@ class BuddyCopies:
         ``version`` keeps what it held."""
         entries = _entries(units, state, positions)
         rank, world = runtime.rank(), runtime.size()
-        mine = [(unit_of(units, entry).shard.detach() if entry.key == WEIGHTS else
-                 state[unit_of(units, entry).shard][entry.key]).reshape(-1).clone() for entry in entries]
+        mine = [(units[entry.unit].shard.detach() if entry.key == WEIGHTS else
+                 state[units[entry.unit].shard][entry.key]).reshape(-1).clone() for entry in entries]
         parts = {rank: mine}
         faults.point("commit.copies")
         if world > 1:
@@ -188,10 +188,6 @@ class BuddyCopies:
         """The parts of ``version`` this worker holds (its own and its ward's), if it committed it."""
         kept = self.slots[version % 2]
         return kept[1] if kept is not None and kept[0] == version else None
-
-
-def unit_of(units: Sequence[Unit], entry: Entry) -> Unit:
-    return units[entry.unit]
 
 
 def _ring() -> list[int]:
@@ -220,8 +216,9 @@ def rebuild(copies: HostCopies | BuddyCopies, version: int, units: Sequence[Unit
 
     Each old rank's parts come from the lowest new rank that holds them. One entry of one old unit at
     a time, every rank writes the parts it gives in their place in a buffer of zeros, and the
-    buffers are summed as bytes (exact: each byte is one holder's, the others' zeros); every rank
-    keeps what falls in its new chunks, so a rank holds at most one unit's entry beyond its own.
+    buffers are summed as bytes (exact: each byte is one holder's, the others' zeros), or, where one
+    rank gives them all (host memory), broadcast from it; every rank keeps what falls in its new
+    chunks, so a rank holds at most one unit's entry beyond its own.
     """
     holding = copies.holding(version)
     offered = collectives.allgather_object(sorted(holding.parts) if holding is not None else [], safe=True)
@@ -244,7 +241,7 @@ def rebuild(copies: HostCopies | BuddyCopies, version: int, units: Sequence[Unit
     for key, dtype in {(entry.key, entry.dtype) for entry in entries if entry.key != WEIGHTS and not entry.scalar}:
         for unit in units:  # filled below where this rank's chunks fall; an empty chunk stays empty
             state.setdefault(unit.shard, {})[key] = torch.zeros(unit.own.stop - unit.own.start, dtype=dtype)
-    me = runtime.rank()
+    me, single = runtime.rank(), len(set(giver.values())) == 1
     for index, entry in enumerate(entries):
         lengths = (1,) if entry.scalar else entry.lengths
         whole = torch.zeros(sum(lengths), dtype=entry.dtype)
@@ -254,7 +251,10 @@ def rebuild(copies: HostCopies | BuddyCopies, version: int, units: Sequence[Unit
                 assert holding is not None
                 whole[offset: offset + length].copy_(holding.parts[old][index])
             offset += length
-        collectives.allreduce_(whole.view(torch.uint8), "sum", check=False)
+        if single:
+            collectives.broadcast_(whole, giver[0])
+        else:
+            collectives.allreduce_(whole.view(torch.uint8), "sum", check=False)
         _keep_mine(entry, whole, units, places, state)
     return True
 
