@@ -33,7 +33,7 @@ class Progress:
 
     def on_step_end(self, step: int, logs: dict, state) -> None:
         if px.is_master():
-            self.path.write_text(f"{state.global_step}\n")
+            self.path.write_text(f"{state.global_step} {state.epoch} {px.size()}\n")
         if state.global_step in self.holds:  # once: a resume from a checkpoint passes the step again
             from job import hold  # beside this script
 

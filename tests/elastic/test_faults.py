@@ -166,24 +166,28 @@ def test_a_worker_and_its_buddy_lost_together_resume_from_the_last_checkpoint_an
 
 def test_a_sharded_job_that_loses_a_whole_host_rebuilds_its_shards_from_the_buddies_on_the_other(
         tmp_path: Path, two_hosts: list[str]) -> None:
-    """Two hosts of two workers (network namespaces), level 2, no checkpoint folder: each worker's buddy
-    is on the other host, so when host 1 goes (its launcher and workers killed) the two survivors
-    rebuild all four ranks' chunks from what they hold and finish, to the uninterrupted run's bits."""
+    """Host 0's two workers found a level-2 job (copies in host memory) and hold at step 3 until host
+    1's two join (copies move to buddies, each on the other host, at the first commit of four); two
+    steps later host 1 goes whole, launcher and workers: the two survivors rebuild all four ranks'
+    chunks from what they hold, with no checkpoint folder, and finish to the uninterrupted run's bits."""
     common = ["-n", "2", "--nnodes", "2", "--min-workers", "1", "--master-addr", "198.18.0.1", "--master-port",
-              "29535", "--timeout", "40"]
-    job_args = ["--level", "2"]
+              "29535", "--timeout", "20"]  # host 1's loss is declared after 10 s without its heartbeat
+    started = tmp_path / "host1-started"
     hosts = [tmp_path / "host0", tmp_path / "host1"]
     for folder in hosts:
         folder.mkdir()
-    with launched(hosts[0], [*common, "--node-rank", "0"], job_args, job=Path(fit_job.__file__),
-                  prefix=["ip", "netns", "exec", two_hosts[0]]) as node0, \
-            launched(hosts[1], [*common, "--node-rank", "1"], job_args, job=Path(fit_job.__file__), name="node1",
-                     prefix=["ip", "netns", "exec", two_hosts[1]]) as node1:
-        deadline = time.monotonic() + 90
-        while max(node0.step(), node1.step()) < 6:  # rank 0 writes the step, on whichever host it is
-            assert time.monotonic() < deadline and node0.process.poll() is None, node0.output() + node1.output()
-            time.sleep(0.05)
-        node1.kill()
+    with launched(hosts[0], [*common, "--node-rank", "0"], ["--level", "2", "--hold", f"3:{started}"],
+                  job=Path(fit_job.__file__), prefix=["ip", "netns", "exec", two_hosts[0]]) as node0:
+        node0.wait_for_step(1)
+        with launched(hosts[1], [*common, "--node-rank", "1"], ["--level", "2", "--started-file", str(started)],
+                      job=Path(fit_job.__file__), name="node1", prefix=["ip", "netns", "exec", two_hosts[1]]) as node1:
+            deadline, together = time.monotonic() + 90, None
+            while together is None or node0.step() < together + 2:  # two commits of four workers
+                assert time.monotonic() < deadline and node0.process.poll() is None, node0.output() + node1.output()
+                if together is None and node0.size() == 4:
+                    together = node0.step()
+                time.sleep(0.05)
+            node1.kill()
         assert node0.wait(120) == 0, node0.output()
     said = node0.stderr
     assert "resumed from" not in said and "lost the copies" not in said, said

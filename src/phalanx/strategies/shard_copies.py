@@ -19,7 +19,9 @@ death during the commit of ``v`` (they restore ``v - 1``).
   workers`` per worker (its own two slots and its ward's), and each commit sends one rank's chunks
   over the network (an alltoall in which each rank sends only to its buddy).
 
-After a re-form :func:`rebuild` finds, for every old rank, a survivor that holds its chunks of the
+:class:`Copies` keeps each generation's commits the way its shape allows (a job formed on one host
+that workers on other hosts join moves to buddies at its next commit). After a re-form
+:func:`rebuild` finds, for every old rank, a survivor that holds its chunks of the
 agreed version, and every rank keeps its new chunks of each unit, assembled from those holders.
 """
 
@@ -83,9 +85,26 @@ def in_host_memory() -> bool:
     return runtime.size() == 1 or host_memory.possible()
 
 
-def kept_copies() -> HostCopies | BuddyCopies:
-    """The copies an elastic job of this generation's shape keeps (see the module's docstring)."""
-    return HostCopies() if in_host_memory() else BuddyCopies()
+class Copies:
+    """An elastic job's copies, kept where each generation can keep them: in host memory while every
+    worker is on one host, with buddies while the workers span hosts (a job formed on one host that
+    others join moves from one to the other at its next commit, and back)."""
+
+    def __init__(self) -> None:
+        self.host, self.buddies = HostCopies(), BuddyCopies()
+
+    def retire(self) -> None:
+        self.host.retire()
+        self.buddies.retire()
+
+    def commit(self, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
+               positions: dict[int, int]) -> None:
+        """This generation's kind of copy of ``version`` (collective: every member is in the same generation)."""
+        (self.host if in_host_memory() else self.buddies).commit(version, units, state, positions)
+
+    def holding(self, version: int) -> Holding | None:
+        """The parts of ``version`` this worker can give, from whichever kind made that commit."""
+        return self.host.holding(version) or self.buddies.holding(version)
 
 
 class HostCopies:
@@ -121,10 +140,6 @@ class HostCopies:
         collectives.barrier()
         del self.segments[:-1]
 
-    def possible(self) -> bool:
-        """Whether the current generation can commit into host memory."""
-        return in_host_memory()
-
     def holding(self, version: int) -> Holding | None:
         """Every old rank's parts of ``version``, from the newest segment whose slot for it is whole,
         if this worker maps one."""
@@ -157,9 +172,6 @@ class BuddyCopies:
         """A re-formed group orders its ring again; the holdings name the old ranks they hold, and stay
         until commits of the new group replace them."""
         self.ring = None
-
-    def possible(self) -> bool:
-        return True
 
     def commit(self, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
                positions: dict[int, int]) -> None:
@@ -207,7 +219,7 @@ def _unpacked(received: torch.Tensor, entries: Sequence[Entry], rank: int) -> li
     return parts
 
 
-def rebuild(copies: HostCopies | BuddyCopies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
+def rebuild(copies: Copies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
             positions: dict[int, int]) -> bool:
     """Fill this rank's chunks of ``units`` (laid out for the new group, perhaps into other units
     than the copies': level 3 gathers blocks between hosts) and of ``state`` from the copies of

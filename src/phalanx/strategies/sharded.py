@@ -323,7 +323,7 @@ class _Committed:
         version: int | None = None
         if self.started:
             version = 0
-            if copies is not None and copies.possible():
+            if copies is not None:
                 self.version = version = self.version + 1
                 copies.commit(version, self.optimizer.units, self.optimizer.stepping.state, self._positions())
         return {"copies": version, "hyperparameters": self.optimizer.hyperparameters(),
@@ -338,9 +338,7 @@ class _Committed:
         if version is None:
             return
         if version == 0:
-            why = ("copies=False" if self.strategy.keep_copies is False else
-                   "its copies were in one host's memory, and workers on other hosts joined")
-            self.strategy.lost = f"{self.strategy.name} holds no copy of another worker's shards ({why})"
+            self.strategy.lost = f"{self.strategy.name} holds no copy of another worker's shards (copies=False)"
             return
         optimizer = self.optimizer
         optimizer.load_state_dict({**state_dict["hyperparameters"], "state": {}})
@@ -464,7 +462,7 @@ class Sharded(Strategy):
         if copies not in ("auto", True, False):
             raise ConfigurationError(f"px.Sharded(copies=...) must be 'auto', True or False, got {copies!r}.")
         self.keep_copies = copies
-        self.copies: shard_copies.HostCopies | shard_copies.BuddyCopies | None = None
+        self.copies: shard_copies.Copies | None = None
         self.resumes_from_disk = copies is False  # set again by check, where the launch is known
         self.lost: str | None = None  # why the last re-formed group could not rebuild the shards in memory
 
@@ -489,7 +487,7 @@ class Sharded(Strategy):
             refuse(self.name, "an elastic job without checkpoint_dir", "no worker holds a copy of another's shards "
                    "(copies=False), so after a worker is lost the group resumes from the last checkpoint on disk: "
                    "give checkpoint_dir.")
-        self.copies = shard_copies.kept_copies() if options.elastic and kept else None
+        self.copies = shard_copies.Copies() if options.elastic and kept else None
         default = COMMIT_EVERY if self.copies is not None else 1
         self.commit_every = self.chosen_commit_every if self.chosen_commit_every is not None else default
 
