@@ -171,7 +171,7 @@ def test_a_sharded_job_that_loses_a_whole_host_rebuilds_its_shards_from_the_budd
     steps later host 1 goes whole, launcher and workers: the two survivors rebuild all four ranks'
     chunks from what they hold, with no checkpoint folder, and finish to the uninterrupted run's bits."""
     common = ["-n", "2", "--nnodes", "2", "--min-workers", "1", "--master-addr", "198.18.0.1", "--master-port",
-              "29535", "--timeout", "20"]  # host 1's loss is declared after 10 s without its heartbeat
+              "29535", "--timeout", "10"]  # host 1's loss is declared after 5 s without its heartbeat
     started = tmp_path / "host1-started"
     hosts = [tmp_path / "host0", tmp_path / "host1"]
     for folder in hosts:

@@ -34,15 +34,22 @@ from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxEr
 
 
 def connect_store(info: LaunchInfo, timeout_s: float) -> Any:
-    """Connect to the launcher's store, or host it on rank 0 when no launcher does."""
+    """Connect to the launcher's store, or host it on rank 0 when no launcher does.
+
+    A client first waits for the store's port to accept a connection, within ``timeout_s``: torch's
+    client retries on its own schedule (a 2 s timeout took 4.7 s here) and prints a C++ stack for
+    every try, so an absent store is reported once, in phalanx's words, when the timeout is up."""
     is_host = info.rank == 0 and not info.store_hosted
+    deadline = time.monotonic() + timeout_s
     try:
+        if not is_host:
+            _wait_until_listening(info.master_addr, info.master_port, deadline)
         return dist.TCPStore(
             info.master_addr,
             info.master_port,
             world_size=None if info.store_hosted else info.world_size,
             is_master=is_host,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
             wait_for_workers=False,
         )
     except (RuntimeError, OSError) as error:
@@ -51,6 +58,21 @@ def connect_store(info: LaunchInfo, timeout_s: float) -> Any:
             f"{info.master_addr}:{info.master_port} within {timeout_s:.0f}s ({error}). Check that rank 0 "
             "is running and MASTER_ADDR/MASTER_PORT are the same on every worker."
         ) from error
+
+
+def _wait_until_listening(address: str, port: int, deadline: float) -> None:
+    """Return once ``address:port`` accepts a TCP connection; ``TimeoutError`` at ``deadline``."""
+    pause = 0.02
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("nothing accepted a connection there")
+        try:
+            socket.create_connection((address, port), timeout=min(left, 1.0)).close()
+            return
+        except OSError:
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(2 * pause, 0.25)
 
 
 def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device, *, keys: str,
