@@ -38,9 +38,10 @@ def test_the_open_loop_example_reaches_its_accuracy_on_two_workers(tmp_path: Pat
     assert accuracy(done.stdout) >= 95, done.stdout
 
 
-def _quickstart(folder: Path, workers: int, script: Path = EXAMPLES / "quickstart.py") -> str:
-    """The quickstart's output at 1 worker (a plain ``python``) or more (``phalanx run``), timings removed."""
-    command = [sys.executable, str(script)] if workers == 1 else \
+def _quickstart(folder: Path, workers: int, script: Path = EXAMPLES / "quickstart.py", plain: bool = True) -> str:
+    """The quickstart's output at 1 worker (a plain ``python``, as README runs it, unless not ``plain``)
+    or more (``phalanx run``, forked warm), timings removed."""
+    command = [sys.executable, str(script)] if workers == 1 and plain else \
         [sys.executable, "-m", "phalanx", "run", "-n", str(workers), "--no-prefix", str(script)]
     folder.mkdir()
     done = warm.run(command, capture_output=True, text=True, timeout=120, cwd=folder)
@@ -79,10 +80,10 @@ def test_the_quickstart_prints_readmes_figures_at_one_and_two_workers_and_bitwis
     script = tmp_path / "reproducible.py"
     # two epochs show the bits agree as well as ten, in a fifth of the time
     script.write_text((EXAMPLES / "quickstart.py").read_text().replace("epochs=10,", f"epochs=2, {one_more[1]},"))
-    _quickstarts(tmp_path / "reproducible", script)
     weights = []
-    for workers in (1, 2):
-        newest = sorted((tmp_path / "reproducible" / str(workers) / "runs" / "quickstart").glob("checkpoint-*.pt"))[-1]
+    for workers in (1, 2):  # both forked warm: README's plain python is the first part's
+        _quickstart(tmp_path / f"reproducible-{workers}", workers, script, plain=False)
+        newest = sorted((tmp_path / f"reproducible-{workers}" / "runs" / "quickstart").glob("checkpoint-*.pt"))[-1]
         weights.append(torch.load(newest, weights_only=True)["model"])
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
