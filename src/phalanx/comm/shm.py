@@ -15,6 +15,12 @@ every other host (a Gloo group per local index, so every rank's link carries a s
 per round there: a round's writes cannot overtake a rank still reading the last one, because that
 rank has not yet arrived for the new round.
 
+A reduce-scatter and an allgather (:meth:`SharedMemoryGroup.reduce_scatter_`, ``allgather_``) of
+chunks in rank order go in rounds too: every rank copies a piece of each rank's chunk into its slot,
+placed by local index, then reduces (or copies out) only what it needs; across hosts each local
+rank first reduces (or, gathering, receives over its Gloo group) the pieces of its local index on
+every host, so only other hosts' chunks cross the network.
+
 The collectives' cross-rank metadata check travels with the data: a rank writes its record into
 its header before arriving for the first round, and after that wait every rank judges all records
 before it reduces anything (``agreement`` of :meth:`SharedMemoryGroup.allreduce_`), so a mismatch
