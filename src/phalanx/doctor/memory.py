@@ -68,8 +68,7 @@ class MeasuredMemory:
     def as_dict(self) -> dict[str, Any]:
         kinds = {"parameters": self.parameters, "gradients": self.gradients, "step_gradients": self.step_gradients,
                  "optimizer_state": self.optimizer_state, "strategy": self.strategy, "activations": self.activations,
-                 "copies": self.copies,
-                 "total": self.total}
+                 "copies": self.copies, "total": self.total}
         return {**{f"{kind}_bytes": value for kind, value in kinds.items()},
                 "bytes_per_parameter": {kind: self.per_parameter(value) for kind, value in kinds.items()},
                 "activation_samples": self.activation_samples, "parameter_count": self.parameter_count,

@@ -131,9 +131,7 @@ class HostCopies:
         segment, slot, rank = self.segments[-1], version % 2, runtime.rank()
         segment.stamps[slot, rank] = -1  # torn until the copy below is done
         for index, entry in enumerate(entries):
-            unit = units[entry.unit]
-            source = unit.shard.detach() if entry.key == WEIGHTS else state[unit.shard][entry.key]
-            segment.part(slot, rank, index).copy_(source.reshape(-1))
+            segment.part(slot, rank, index).copy_(_part(entry, units, state))
             if index == len(entries) // 2:
                 faults.point("commit.copies")
         segment.stamps[slot, rank] = version
@@ -180,8 +178,7 @@ class BuddyCopies:
         ``version`` keeps what it held."""
         entries = _entries(units, state, positions)
         rank, world = runtime.rank(), runtime.size()
-        mine = [(units[entry.unit].shard.detach() if entry.key == WEIGHTS else
-                 state[units[entry.unit].shard][entry.key]).reshape(-1).clone() for entry in entries]
+        mine = [_part(entry, units, state).clone() for entry in entries]
         parts = {rank: mine}
         faults.point("commit.copies")
         if world > 1:
@@ -200,6 +197,13 @@ class BuddyCopies:
         """The parts of ``version`` this worker holds (its own and its ward's), if it committed it."""
         kept = self.slots[version % 2]
         return kept[1] if kept is not None and kept[0] == version else None
+
+
+def _part(entry: Entry, units: Sequence[Unit], state: dict[Any, dict[str, Any]]) -> torch.Tensor:
+    """This rank's part of ``entry`` as it trains: its chunk of the unit's weights or of a state tensor,
+    flat (a view)."""
+    shard = units[entry.unit].shard
+    return (shard.detach() if entry.key == WEIGHTS else state[shard][entry.key]).reshape(-1)
 
 
 def _ring() -> list[int]:

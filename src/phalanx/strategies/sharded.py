@@ -432,9 +432,10 @@ class Sharded(Strategy):
     (or ``True``) commits every rank's chunks where a death does not take them, in host memory when
     every worker is on this host, else in the rank's memory and its buddy's on another host, so that
     a re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits
-    none (a re-formed group resumes from the last checkpoint on disk). ``commit_every`` (elastic jobs): optimizer steps between commits, by
-    default :data:`COMMIT_EVERY` where copies are kept (each commit copies the rank's chunks) and 1
-    where none are; a death costs the steps since the last commit, trained again bitwise alike.
+    none (a re-formed group resumes from the last checkpoint on disk). ``commit_every`` (elastic
+    jobs): optimizer steps between commits, by default :data:`COMMIT_EVERY` where copies are kept
+    (each commit copies the rank's chunks) and 1 where none are; a death costs the steps since the
+    last commit, trained again bitwise alike.
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
