@@ -27,9 +27,14 @@ Variants:
   s1x, s2x, s3x  the same with shared_memory=False, as between hosts: each worker its own copy of the
          parameters (levels 1-2), or its own chunks gathered per block around forward and backward
          (level 3: fusion_threshold_mb set to FSDP2's largest unit, so its blocks are FSDP2's: equal memory)
+  s1h, s2h, s3h  the same with shared_memory=True: between hosts each host keeps the units once in its
+         shared memory, its workers sharding them and the hosts replicas of each other (hybrid
+         sharding: 16 / workers-per-host bytes a parameter); on one host s1-s3 themselves
   zero   DDP + torch.distributed.optim.ZeroRedundancyOptimizer(Adam)
   fsdp2  fully_shard on each Linear/Conv2d (the transformer: each encoder layer), then the root, on
          init_device_mesh("cpu", (W,)); Adam over the DTensor parameters
+  hsdp   the same on a (hosts, workers per host) mesh: FSDP2's hybrid sharding, sharded within a
+         host and replicated across hosts (the peer of s1h-s3h)
 
 Parts:
   memory  an MLP of 16.81 M parameters (2048-2048-2048-2048-2048-10, batch 32 per worker), 3 Adam steps.
@@ -80,13 +85,14 @@ from bench_ddp import (MODEL_SPECS, NETNS, NETNS_ADDR, ForeignLoad, build_model,
 
 from phalanx.doctor.footprint import shared_ranges  # noqa: E402  (the doctor counts shared memory as this does)
 
-VARIANTS = ["ddp", "px", "s1", "s2", "s3", "s1x", "s2x", "s3x", "zero", "fsdp2"]
+VARIANTS = ["ddp", "px", "s1", "s2", "s3", "s1x", "s2x", "s3x", "s1h", "s2h", "s3h", "zero", "fsdp2", "hsdp"]
 MEMORY_SPEC = {"batch": 32, "input": [2048], "classes": 10}
 MEMORY_STEPS = 3
 LR = 1e-3
 #: (variant, baseline) pairs whose throughput ratios are reported, and the issue's targets.
 RATIOS = [("s1", "px", 1.0), ("s2", "px", 1.0), ("s1x", "px", 1.0), ("s2x", "px", 1.0), ("s3", "fsdp2", 1.5),
-          ("s3x", "fsdp2", 1.5), ("px", "ddp", None), ("zero", "ddp", None), ("fsdp2", "ddp", None)]
+          ("s3x", "fsdp2", 1.5), ("s1h", "px", 1.0), ("s2h", "px", 1.0), ("s3h", "hsdp", 1.5), ("px", "ddp", None),
+          ("zero", "ddp", None), ("fsdp2", "ddp", None), ("hsdp", "ddp", None)]
 #: Bytes per parameter at 4 workers (issue 43, item 6).
 MEMORY_TARGETS = {"s1": 10.5, "s2": 7.5, "s1x": 10.5, "s2x": 7.5, "s3": 4.5, "s3x": 4.5}
 
@@ -140,9 +146,9 @@ def set_up(variant: str, model: nn.Module) -> tuple[nn.Module, Any, Any, dict[st
         return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=LR), None, facts
     if variant == "px":
         return px.DataParallel(model), torch.optim.Adam(model.parameters(), lr=LR), None, facts
-    if variant in ("s1", "s2", "s3", "s1x", "s2x", "s3x"):
+    if variant in ("s1", "s2", "s3", "s1x", "s2x", "s3x", "s1h", "s2h", "s3h"):
         level = int(variant[1])
-        options: dict[str, Any] = {"shared_memory": False} if variant.endswith("x") else {}
+        options: dict[str, Any] = {"x": {"shared_memory": False}, "h": {"shared_memory": True}}.get(variant[-1], {})
         if variant == "s3x":  # blocks as FSDP2's units (a little over the largest, which is then a block)
             options["fusion_threshold_mb"] = largest_unit_mb(model) * 1.001
             facts["threshold_mb"] = options["fusion_threshold_mb"]
@@ -153,10 +159,14 @@ def set_up(variant: str, model: nn.Module) -> tuple[nn.Module, Any, Any, dict[st
         if strategy.gathering is not None:
             facts["blocks"] = len(strategy.gathering.blocks)
         return wrapped, optimizer, strategy, facts
-    if variant == "fsdp2":
+    if variant in ("fsdp2", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        hosts = world // px.local_size() if variant == "hsdp" else 1
+        # ranks host-major (phalanx run's node_rank * workers per host + local rank): the shard dim is a host
+        mesh = init_device_mesh("cpu", (hosts, world // hosts), mesh_dim_names=("replicate", "shard")) if hosts > 1 \
+            else init_device_mesh("cpu", (world,))
+        facts["mesh"] = list(mesh.shape)
         units = fsdp_units(model)
         for unit in units:
             fully_shard(unit, mesh=mesh)
@@ -475,7 +485,7 @@ def report_memory(measured: dict, args: argparse.Namespace) -> None:
                  if measured.get(("memory", workers, v)) and "ok" in measured[("memory", workers, v)][0]}
         notes = [f"{v}: {f['units']} units" + (f" in {f['blocks']} blocks" if "blocks" in f else "")
                  + (", in shared memory" if f.get("shared") else "") for v, f in facts.items() if "units" in f]
-        notes += [f"fsdp2: {f['blocks']} fully_shard calls" for v, f in facts.items() if v == "fsdp2"]
+        notes += [f"{v}: {f['blocks']} fully_shard calls" for v, f in facts.items() if v in ("fsdp2", "hsdp")]
         if notes:
             print("\n" + "; ".join(notes) + ".")
         if garbage:

@@ -145,20 +145,21 @@ class Communicator(Collectives):
         return self.shared_memory is not None and self.shared_memory.group.cross is None
 
     def host_arena(self, tag: str, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of shared memory mapped by every worker, when all of them are on this host.
+        """``nbytes`` of shared memory mapped by every worker of this host (each host its own segment
+        where the job spans several, which then hold nothing in common).
 
-        Collective: every worker calls it with the same ``tag`` and size. The first rank creates the
-        segment (named after the job, generation and tag, so the launcher removes it after a crash),
-        and once every rank has mapped it its name is removed. Raises :class:`ConfigurationError`
-        where the transport does not use shared memory on one host (see :meth:`shares_one_host`).
+        Collective: every worker calls it with the same ``tag`` and size. Each host's first rank
+        creates its segment (named after the job, generation and tag, so the launcher removes it after
+        a crash), and once every rank has mapped it its name is removed. Raises
+        :class:`ConfigurationError` where the transport does not reduce through shared memory.
         """
         self.ensure_open("host_arena")
-        if not self.shares_one_host():
-            raise ConfigurationError("shared memory between workers needs every worker on this host and "
-                                     "px.init(transport='auto' or 'shm').")
         executor = self.shared_memory
-        assert executor is not None
-        name, key = f"{executor.group.name}-{tag}", f"{self.prefix}arena/{tag}"
+        if executor is None:
+            raise ConfigurationError("shared memory between workers needs several workers on each host (as many on "
+                                     "every host) and px.init(transport='auto' or 'shm').")
+        host = executor.group.host_index
+        name, key = f"{executor.group.name}-h{host}-{tag}", f"{self.prefix}arena/{host}/{tag}"
         mapping = created_by_first(executor.group.rank == 0, key, self.store, self.timeout_s,
                                    lambda create: shm.map_segment(name, nbytes, create))
         executor.run(executor.group.barrier)

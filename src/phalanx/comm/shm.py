@@ -151,6 +151,7 @@ class SharedMemoryGroup:
         self.hosts = ranks_by_host
         self._members = [sorted(ranks[local] for ranks in ranks_by_host) for local in range(size)]
         self.job_rank = self._members[rank][dist.get_rank(cross) if cross is not None else 0]
+        self.host_index = next(index for index, ranks in enumerate(ranks_by_host) if ranks[rank] == self.job_rank)
         # a slot holds each rank's piece local-index-major, cross rank within: each local rank's together
         self._position = {job_rank: local * len(ranks_by_host) + index for local, members in enumerate(self._members)
                           for index, job_rank in enumerate(members)}

@@ -16,14 +16,29 @@ from phalanx.comm import collectives, runtime
 ALIGNMENT = 64  # bytes: each view starts on a cache line
 
 
-def possible() -> bool:
+def possible(across_hosts: bool = False) -> bool:
     """Whether this job's workers can share host memory: several CPU workers on one host, reducing
-    through shared memory."""
-    return runtime.size() > 1 and runtime.shares_one_host() and runtime.device().type == "cpu"
+    through shared memory (``across_hosts``: or as many on each of several hosts, each host then
+    holding its own copy)."""
+    if runtime.size() == 1 or runtime.device().type != "cpu":
+        return False
+    return runtime.shares_one_host() or (across_hosts and runtime.shm_executor() is not None)
+
+
+def hosts() -> list[list[int]]:
+    """The job's ranks on each host, each host's in local order (one host: every rank)."""
+    executor = runtime.shm_executor()
+    return executor.group.hosts if executor is not None else [list(range(runtime.size()))]
+
+
+def first_of_host() -> int:
+    """The rank of this host's first worker (which writes what :func:`shared_copies` starts from)."""
+    return next(ranks[0] for ranks in hosts() if runtime.rank() in ranks)
 
 
 def shared_copies(tensors: Sequence[torch.Tensor], writer: int, tag: str) -> list[torch.Tensor]:
-    """One view per tensor of a segment every worker of this host maps, holding ``writer``'s values.
+    """One view per tensor of a segment every worker of this host maps, holding ``writer``'s values
+    (a rank of this host; each host of several maps its own segment).
 
     Collective: every rank passes tensors of the same shapes and dtypes, in the same order.
     """

@@ -28,7 +28,7 @@ class Unit:
     group: int
     params: list[nn.Parameter]
     flat: torch.Tensor
-    bounds: list[tuple[int, int]]  # every rank's chunk of ``flat``, in rank order
+    bounds: list[tuple[int, int]]  # every rank's chunk of ``flat``, in rank order (hosts' replicas alike)
     #: The chunk apart from ``flat`` (level 3, which frees ``flat`` between uses), else a view of it.
     apart: bool = False
     shard: nn.Parameter = field(init=False)
@@ -110,10 +110,22 @@ def units_of(params: Iterable[nn.Parameter], group_of: dict[int, int], apart: bo
 def unit_of(group: int, members: Sequence[nn.Parameter], apart: bool = False) -> Unit:
     """One unit of ``members``, whose data become views of its flat buffer."""
     flat = torch.cat([p.detach().reshape(-1) for p in members])
-    sizes = [len(chunk) for chunk in torch.arange(flat.numel()).tensor_split(runtime.size())]
-    starts = [sum(sizes[:r]) for r in range(len(sizes))]
-    unit = Unit(group, list(members), flat, [(s, s + n) for s, n in zip(starts, sizes)], apart)
+    unit = Unit(group, list(members), flat, chunk_bounds(flat.numel()), apart)
     unit.adopt(flat)
     return unit
+
+
+def chunk_bounds(numel: int, hosts: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
+    """Every rank's chunk (start, stop) of a flat buffer of ``numel`` elements, in rank order:
+    ``torch.tensor_split``'s cut over the workers; with ``hosts`` (each host's ranks in local order),
+    each host's own cut over its workers, so that every host holds the whole buffer once and the
+    hosts are replicas of each other (a rank's chunk is that of its local index)."""
+    bounds: list[tuple[int, int]] = [(0, 0)] * runtime.size()
+    for ranks in hosts if hosts is not None else [range(runtime.size())]:
+        sizes = [len(chunk) for chunk in torch.arange(numel).tensor_split(len(ranks))]
+        for local, rank in enumerate(ranks):
+            start = sum(sizes[:local])
+            bounds[rank] = (start, start + sizes[local])
+    return bounds
 
 

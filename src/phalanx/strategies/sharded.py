@@ -47,7 +47,7 @@ from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strate
 from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies import host_memory, shard_copies
 from phalanx.strategies.gathering import Gathering, cut
-from phalanx.strategies.shard_layout import Unit, check_stepped, lay_out
+from phalanx.strategies.shard_layout import Unit, check_stepped, chunk_bounds, lay_out
 
 LEVELS = (1, 2, 3)
 #: Optimizer steps between an elastic job's commits where the copies are kept: a commit copies each
@@ -257,7 +257,7 @@ class ShardedOptimizer(HeldOptimizer):
                     chunks[f"optim/{{}}/{key}"] = value
                 else:  # the same on every rank (a step count): written once, whole
                     pieces.update({f"optim/{names[id(p)]}/{key}": value for p in unit.params})
-            pieces.update(_pieces_of(unit, chunks, names))
+            pieces.update(_pieces_of(unit, chunks, names, reading=False))
         return pieces
 
     @torch.no_grad()
@@ -278,7 +278,7 @@ class ShardedOptimizer(HeldOptimizer):
                     state[key] = chunks[f"optim/{{}}/{key}"] = torch.zeros_like(unit.shard.detach(), dtype=dtype)
                 else:
                     state[key] = targets[f"optim/{first}/{key}"] = torch.empty(size, dtype=dtype)
-            targets.update(_pieces_of(unit, chunks, names))
+            targets.update(_pieces_of(unit, chunks, names, reading=True))
             if state:
                 self.stepping.state[unit.shard] = state
         tensor_pieces.load(targets, folder)
@@ -376,15 +376,18 @@ class _Committed:
         return {id(param): position for position, param in enumerate(self.model.module.parameters())}
 
 
-def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str]) -> dict[str, Any]:
+def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str], reading: bool) -> dict[str, Any]:
     """For each of the unit's parameters and each of ``chunks`` (this rank's chunk of the weights or
     of a state tensor, keyed by a name pattern such as ``optim/{}/exp_avg``), the parameter's piece as
-    :func:`tensor_pieces.piece`, keyed by the pattern filled with the parameter's name."""
+    :func:`tensor_pieces.piece`, keyed by the pattern filled with the parameter's name. Where hosts
+    are replicas each range is one rank's: the lowest holder's when writing, this rank's when
+    ``reading`` (so that every replica reads its chunk)."""
     pieces, offset = {}, 0
+    held = _each_range_once(unit.bounds, runtime.rank() if reading else None)
     for param in unit.params:
         numel = param.numel()
         # every rank's (start, stop) within this parameter: its chunk's overlap with it
-        bounds = [(min(max(start - offset, 0), numel), min(max(stop - offset, 0), numel)) for start, stop in unit.bounds]
+        bounds = [(min(max(start - offset, 0), numel), min(max(stop - offset, 0), numel)) for start, stop in held]
         start, stop = bounds[runtime.rank()]
         base = offset - unit.own.start
         for pattern, chunk in chunks.items():
@@ -392,6 +395,17 @@ def _pieces_of(unit: Unit, chunks: dict[str, torch.Tensor], names: dict[int, str
             pieces[pattern.format(names[id(param)])] = tensor_pieces.piece(local, numel, bounds, runtime.rank())
         offset += numel
     return pieces
+
+
+def _each_range_once(bounds: Sequence[tuple[int, int]], holder: int | None) -> list[tuple[int, int]]:
+    """``bounds`` with each range left to one rank (``holder`` where it holds it, else the lowest
+    rank that does) and empty for the others: a sharded tensor's pieces must not overlap."""
+    owner: dict[tuple[int, int], int] = {}
+    for rank, chunk in enumerate(bounds):
+        owner.setdefault(chunk, rank)
+    if holder is not None:
+        owner[bounds[holder]] = holder
+    return [chunk if owner[chunk] == rank else (0, 0) for rank, chunk in enumerate(bounds)]
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -406,7 +420,16 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gathered(unit: Unit, chunk: torch.Tensor) -> torch.Tensor:
-    return collectives.allgather(chunk, check=False, lengths=unit.lengths) if runtime.size() > 1 else chunk
+    """The whole of a tensor laid out as ``unit``, of which this rank holds ``chunk`` (collective)."""
+    if runtime.size() == 1:
+        return chunk
+    received = collectives.allgather(chunk, check=False, lengths=unit.lengths)
+    if sum(unit.lengths) == unit.flat.numel():
+        return received
+    whole = received.new_empty(unit.flat.numel())  # hosts that are replicas hold the same chunks
+    for (start, stop), part in zip(unit.bounds, received.split(unit.lengths)):
+        whole[start:stop] = part
+    return whole
 
 
 def _split(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
@@ -537,7 +560,10 @@ class Sharded(Strategy):
         # the gathers are collectives inside the passes: a rank without samples runs them too
         wrapped.passes_without_data = self.gathering is not None and not self.gathering.whole_between_steps
         if shared:  # once per host: a chunk is every worker's share of it, and nothing is gathered
-            for unit, view in zip(units, host_memory.shared_copies([u.flat for u in units], 0, "sharded")):
+            hosts = host_memory.hosts()
+            for unit, view in zip(units, host_memory.shared_copies([u.flat for u in units], host_memory.first_of_host(),
+                                                                   "sharded")):
+                unit.bounds = chunk_bounds(unit.flat.numel(), hosts)
                 unit.adopt(view)
         return units, reduced, shared
 
@@ -565,13 +591,19 @@ class Sharded(Strategy):
         optimizer.relay(units, self.gathering, shared)
 
     def _share_memory(self) -> bool:
-        if self.shared_memory is True and not host_memory.possible():
-            raise ConfigurationError(f"{self.name} with shared_memory=True needs several CPU workers on one host "
-                                     "with px.init(transport='auto' or 'shm'); use shared_memory='auto'.")
-        return host_memory.possible() and self.shared_memory is not False
+        """Whether the units live in host shared memory: on one host unless ``shared_memory=False``;
+        on each of several hosts (replicas of each other) only with ``shared_memory=True``."""
+        across_hosts = self.shared_memory is True and not self.elastic
+        if self.shared_memory is True and not host_memory.possible(across_hosts):
+            raise ConfigurationError(f"{self.name} with shared_memory=True needs several CPU workers on each host, as "
+                                     "many on every host (an elastic job: on one host), with px.init(transport='auto' "
+                                     "or 'shm'); use shared_memory='auto'.")
+        return self.shared_memory is not False and host_memory.possible(across_hosts)
 
     def memory_needed(self, model: nn.Module, optimizer: Any) -> int:
-        return held_bytes(model, optimizer, level=self.level, workers=runtime.size())
+        replicas = self.shared_memory is True and host_memory.possible(across_hosts=not self.elastic)
+        return held_bytes(model, optimizer, level=self.level,
+                          workers=runtime.local_size() if replicas else runtime.size())
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """Level 3: the model the user passed gets its whole parameters back, the hooks removed
