@@ -21,8 +21,10 @@ multiple of 4: whole commit intervals) after 3 of warm-up, the commits included,
 its interval; the commit's share is that of the copies against the same level without them.
 Recovery: the same job (copies on) with rank 1 SIGKILLed after its 6th step's end, before that
 step's commit (``PHALANX_FAULTS=step.end@1#6``); rank 0 reports the time from the launcher seeing
-the death to the group's first commit after it (px.DataParallel: the next step; px.Sharded: step 8,
-steps 5 and 6 trained again since its last commit at step 4). Held bytes per parameter: what each worker holds for
+the death to the re-formed group's first completed step (the issue's measure: px.DataParallel's
+step 6 again, px.Sharded's step 5, the first after its last commit at step 4) and to its first
+commit after the death (px.DataParallel: the same step; px.Sharded: step 8, steps 5 and 6 trained
+again). Held bytes per parameter: what each worker holds for
 parameters, gradients and Adam's state between steps and what the commits' copies add
 (phalanx.strategies.base.held_per_worker and elastic_copies_per_worker, which phalanx doctor uses).
 """
@@ -92,8 +94,10 @@ def launch(level: int, copies: bool, workers: int, steps: int, kill: bool, trans
             return {"failed": (done.stdout + done.stderr)[-1500:]}
         result = json.loads(Path(out).read_text())
         recovered = re.findall(r"first step done ([\d.]+)s after the event", done.stderr)
+        caught_up = re.findall(r"back past its last commit .* ([\d.]+)s after the event", done.stderr)
         if kill:
             result["recovery_s"] = float(recovered[0]) if recovered else None
+            result["commit_s"] = float(caught_up[0]) if caught_up else result["recovery_s"]
         return result
 
 
@@ -126,6 +130,7 @@ def main() -> None:
     variants = [(level, True) for level in levels] + [(level, False) for level in levels if level]
     steps: dict[tuple[int, bool, int], list[float]] = {}
     recoveries: dict[tuple[int, int], list[float]] = {}
+    commits: dict[tuple[int, int], list[float]] = {}
     failures: list[str] = []
     for rep in range(args.reps):
         order = [(w, v) for w in workers for v in variants] + [(w, (level, "kill")) for w in workers for level in levels]
@@ -140,13 +145,16 @@ def main() -> None:
                 continue
             if kill:
                 recoveries.setdefault((level, world), []).append(result["recovery_s"])
-                print(f"rep {rep}: {name}: recovered in {result['recovery_s']} s", flush=True)
+                commits.setdefault((level, world), []).append(result["commit_s"])
+                print(f"rep {rep}: {name}: first step {result['recovery_s']} s, first commit {result['commit_s']} s "
+                      "after the death", flush=True)
             else:
                 mean = statistics.fmean(result["intervals"])  # a commit every few steps counts its share
                 steps.setdefault((level, bool(mode), world), []).append(mean)
                 print(f"rep {rep}: {name}: step + commit {mean * 1e3:.1f} ms", flush=True)
-    print("\n| workers | level | step + commit, copies (ms) | without copies (ms) | copies' share | recovery (s) | held B/param | copies B/param |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| workers | level | step + commit, copies (ms) | without copies (ms) | copies' share | "
+          "recovery to the first step (s) | to the first commit (s) | held B/param | copies B/param |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for world in workers:
         for level in levels:
             with_copies = steps.get((level, True, world), [])
@@ -154,13 +162,14 @@ def main() -> None:
             ratio = (f"{statistics.median(with_copies) / statistics.median(without) - 1:+.1%}"
                      if with_copies and without else "")
             kept = [r for r in recoveries.get((level, world), []) if r is not None]
+            caught_up = [r for r in commits.get((level, world), []) if r is not None]
             own, copies = held_per_parameter(level, world, shared=args.transport == "auto")
             print(f"| {world} | {'px.DataParallel' if level == 0 else f'px.Sharded({level})'} | "
                   f"{statistics.median(with_copies) * 1e3:.1f} | " if with_copies else f"| {world} | {level} | - | ",
                   end="")
             print(f"{statistics.median(without) * 1e3:.1f} | " if without else "- | ", end="")
-            print(f"{ratio} | {statistics.median(kept):.2f} ({min(kept):.2f}-{max(kept):.2f}) | " if kept
-                  else f"{ratio} | - | ", end="")
+            print(f"{ratio} | " + " | ".join(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+                                             if values else "-" for values in (kept, caught_up)) + " | ", end="")
             print(f"{own:.2f} | {copies:.2f} |")
     for failure in failures:
         print(f"\nFAILED {failure}")

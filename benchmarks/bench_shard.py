@@ -296,7 +296,7 @@ def job_memory(variant: str) -> None:
     after = held(variant, wrapped, optimizer, others=existing)
     result = {"rank": rank, "params": count, "before": before, "setup_rss": setup_rss, "setup_peak": setup_peak,
               "setup_garbage": setup_garbage, "peak_step": step_peak, "peak_job": max(step_peak, job_peak),
-              "rss_after": rss_after, "shmem": shmem, "world": px.size(), "held": after, "held_at_step": at_step, **facts}
+              "rss_after": rss_after, "shmem": shmem, "world": px.size(), "per_host": px.local_size(), "held": after, "held_at_step": at_step, **facts}
     print("RESULT " + json.dumps(result), flush=True)
     if strategy is not None:
         strategy.finish()
@@ -430,16 +430,16 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _own(sizes: dict[str, int], name: str, world: int) -> float:
-    """A category's bytes on one rank, memory that every worker of the host maps counted 1/W."""
-    return sizes[name] - sizes.get(name + "_shared", 0) * (1 - 1 / world)
+def _own(sizes: dict[str, int], name: str, per_host: int) -> float:
+    """A category's bytes on one rank, memory that every worker of the host maps counted 1/(its workers)."""
+    return sizes[name] - sizes.get(name + "_shared", 0) * (1 - 1 / per_host)
 
 
 def report_memory(measured: dict, args: argparse.Namespace) -> None:
     for workers in args.workers:
         print(f"\n#### Memory, {workers} workers: MLP of 16.81 M parameters, Adam, bytes per parameter of the model "
               f"per rank (median over ranks and repetitions; the largest rank's in brackets where it differs; "
-              f"memory all workers of the host map counted 1/{workers} per rank, marked *)\n")
+              "memory all workers of a host map counted 1/(its workers) per rank, marked *)\n")
         print("| variant | parameters | gradients | optimizer state | **held after a step** | other tensors | "
               "resident after a step | gradients at the step | **peak during a step** | peak, whole job | "
               "target at 4 workers |")
@@ -459,7 +459,7 @@ def report_memory(measured: dict, args: argparse.Namespace) -> None:
                 return f"{med:.2f}{'*' if mark else ''}" + (f" [{top:.2f}]" if top - med >= 0.05 else "")
 
             def category(name: str, sizes_of: str = "held") -> tuple[list[float], bool]:
-                values = [_own(r[sizes_of], name, workers) for r in ranks]
+                values = [_own(r[sizes_of], name, r["per_host"]) for r in ranks]
                 return values, any(r[sizes_of].get(name + "_shared", 0) for r in ranks)
 
             hidden = [max(r["held"].get("ddp_buckets", 0), 0) for r in ranks]
@@ -468,7 +468,7 @@ def report_memory(measured: dict, args: argparse.Namespace) -> None:
             total = [a + b + c for a, b, c in zip(params, grads, state)]
             grads_step, gs_mark = category("grads", "held_at_step")
             grads_step = [g + h for g, h in zip(grads_step, hidden)]
-            unshare = [r["shmem"] * (1 - 1 / workers) for r in ranks]
+            unshare = [r["shmem"] * (1 - 1 / r["per_host"]) for r in ranks]
             shm = any(r["shmem"] > n / 2 for r in ranks)  # more than the transport's own buffers
             target = MEMORY_TARGETS.get(variant)
             target_cell = "" if target is None else f"<= {target}" + (" + gathered layers" if variant == "s3x" else "")

@@ -206,11 +206,16 @@ def test_a_sharded_job_whose_workers_initialized_differently_trains_rank_0s_mode
 
 def test_a_sharded_job_committing_every_few_steps_trains_the_steps_since_again_bitwise(tmp_path: Path) -> None:
     """px.Sharded's default commits (every 4 steps where copies are kept): rank 1 dies after step 6,
-    two steps past the last commit; the survivors go back to it and train steps 5 and 6 again."""
+    two steps past the last commit; the survivors go back to it and train steps 5 and 6 again. The
+    log gives the time to the first step after the death, then to the commit past the steps redone."""
     job_args = ("--level", "1", "--default-commits")
     digest, launcher = run_job(tmp_path, 3, 1, env={faults.ENV: "step.end@1#6"}, job_args=job_args, checkpoints=False)
     assert launcher.count("was lost: signal SIGKILL") == 1, launcher
     assert digest == uninterrupted_sharded(1)
+    first_step = re.findall(r"first step done ([\d.]+)s after the event", launcher)
+    caught_up = re.findall(r"back past its last commit before the change .* ([\d.]+)s after the event", launcher)
+    assert len(first_step) == len(caught_up) == 1, launcher
+    assert float(first_step[0]) < float(caught_up[0]), launcher
 
 
 def test_the_sharded_cases_cover_every_moment_at_every_level() -> None:

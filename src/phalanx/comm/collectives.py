@@ -23,7 +23,7 @@ R = TypeVar("R")
 __all__ = [
     "ALLREDUCE_ALGORITHMS", "REDUCE_OPS", "Handle", "Scope", "allgather", "allgather_object", "allreduce",
     "allreduce_", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_tensors_",
-    "join", "link", "measure_link", "reduce", "reduce_", "reduce_scatter", "then", "within",
+    "host_barrier", "join", "link", "measure_link", "reduce", "reduce_", "reduce_scatter", "then", "within",
 ]
 
 
@@ -47,6 +47,7 @@ allgather = _on_current(Collectives.allgather)
 reduce_scatter = _on_current(Collectives.reduce_scatter)
 alltoall = _on_current(Collectives.alltoall)
 barrier = _on_current(Collectives.barrier)
+host_barrier = _on_current(Collectives.host_barrier)
 broadcast_object = _on_current(Collectives.broadcast_object)
 allgather_object = _on_current(Collectives.allgather_object)
 join = _on_current(Collectives.join)

@@ -359,6 +359,18 @@ class Collectives(Agreeing):
         self._agree("barrier", _NO_DATA, 0, 0, check=True)
         return done(None, async_op)
 
+    @when_open
+    def host_barrier(self) -> None:
+        """Wait until every rank of this host has reached this point: the ranks that share its
+        memory, where the CPU transport is shared memory (a few microseconds, no cross-rank check, no
+        message between hosts); elsewhere, and within a scope, :meth:`barrier`. For code that hands
+        memory between the workers of a host (px.Sharded's units, stepped in place)."""
+        executor = self.shared_memory
+        if executor is None or self._scoped() or self._size() == 1:
+            self.barrier()
+            return
+        self._on(executor, "barrier within the host (shared memory)", executor.group.barrier, lambda _: None, False)
+
     @overload
     def broadcast_object(self, obj: Any = ..., root: int = ..., *, async_op: Literal[False] = ...,
                          safe: bool = ...) -> Any: ...

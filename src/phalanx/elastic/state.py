@@ -18,7 +18,7 @@ import copy
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,7 +54,10 @@ class Recovery:
     signal at a commit) to the next completed step. ``event_to_step_s``: from the event itself
     (the launcher seeing a worker exit, the coordinator declaring one dead, or the first request)
     to the next completed step, by wall clock across hosts. ``reform_s``: the part spent forming
-    the new group and synchronising the state.
+    the new group and synchronising the state. ``event_to_commit_s``: from the event to the first
+    commit after it, where the steps since the last commit before it were trained again (a loop
+    that commits less often than every step, and tells the State of each step: :meth:`State.stepped`);
+    the same as ``event_to_step_s`` where every step is committed.
     """
 
     generation: int
@@ -65,6 +68,7 @@ class Recovery:
     reform_s: float
     detected_to_step_s: float
     event_to_step_s: float
+    event_to_commit_s: float | None = None
 
 
 class State:
@@ -140,9 +144,15 @@ class State:
         group is about to change at this boundary (joiners are admitted, or a member was lost).
         """
         self._snapshot(self.version + 1)
-        self._report_recovery()
+        self._report_recovery(at_commit=True)
         if runtime.is_elastic():
             _check_membership(self.version)
+
+    def stepped(self) -> None:
+        """Tell the State a step finished, in a loop that commits less often than every step: the
+        first step after a re-form then ends the recovery's clock (``Recovery.event_to_step_s``),
+        and the next commit says when the steps trained again were made up."""
+        self._report_recovery(at_commit=False)
 
     def restore(self) -> None:
         """Put every object and value back as committed, for the current world.
@@ -257,28 +267,40 @@ class State:
         if self._pending_recovery is not None:
             self._pending_recovery["reformed"] = time.monotonic()
 
-    def _report_recovery(self) -> None:
+    def _report_recovery(self, at_commit: bool) -> None:
         pending = self._pending_recovery
         if pending is None or pending["reformed"] is None:
             return
-        object.__setattr__(self, "_pending_recovery", None)
         view = runtime.membership()
         if view is None:
+            object.__setattr__(self, "_pending_recovery", None)
             return
-        now = time.monotonic()
+        since_event = max(0.0, time.time() - view.event_time) if view.event_time else float("nan")
+        if at_commit:
+            object.__setattr__(self, "_pending_recovery", None)
+        if pending.get("stepped"):  # the first step was reported: this is the first commit after it
+            if at_commit:
+                self.recoveries[-1] = replace(self.recoveries[-1], event_to_commit_s=since_event)
+            if at_commit and view.lost:  # a join changes the group at a commit: nothing is trained again
+                self._say(f"phalanx elastic: generation {view.generation} back past its last commit before the change "
+                          f"(the steps since it trained again) {since_event:.2f}s after the event")
+            return
+        pending["stepped"] = True
         record = Recovery(view.generation, view.size, view.reason, view.lost, view.joined,
                           reform_s=pending["reformed"] - pending["detected"],
-                          detected_to_step_s=now - pending["detected"],
-                          event_to_step_s=max(0.0, time.time() - view.event_time) if view.event_time else float("nan"))
+                          detected_to_step_s=time.monotonic() - pending["detected"], event_to_step_s=since_event,
+                          event_to_commit_s=since_event if at_commit else None)
         self.recoveries.append(record)
-        if self.verbose and runtime.rank() == 0:
-            change = ", ".join(part for part in (
-                f"lost member(s) {list(view.lost)}" if view.lost else "",
-                f"joined member(s) {list(view.joined)}" if view.joined else "") if part) or view.reason
-            print(f"phalanx elastic: generation {view.generation} with {view.size} worker(s) ({change}): "
+        change = ", ".join(part for part in (
+            f"lost member(s) {list(view.lost)}" if view.lost else "",
+            f"joined member(s) {list(view.joined)}" if view.joined else "") if part) or view.reason
+        self._say(f"phalanx elastic: generation {view.generation} with {view.size} worker(s) ({change}): "
                   f"first step done {record.event_to_step_s:.2f}s after the event, "
-                  f"{record.detected_to_step_s:.2f}s after detection (re-forming took {record.reform_s:.2f}s)",
-                  file=sys.stderr, flush=True)
+                  f"{record.detected_to_step_s:.2f}s after detection (re-forming took {record.reform_s:.2f}s)")
+
+    def _say(self, message: str) -> None:
+        if self.verbose and runtime.rank() == 0:
+            print(message, file=sys.stderr, flush=True)
 
 
 def _is_stateful(entry: Any) -> bool:

@@ -12,12 +12,13 @@ death during the commit of ``v`` (they restore ``v - 1``).
   ones' too. Cost: ``2 * (weights + state) / workers`` per worker (6 bytes a parameter for Adam in
   float32 at 4 workers), one copy of the chunks and a barrier per commit.
 * :class:`BuddyCopies`, workers on several hosts (or without shared memory): each rank keeps its
-  chunks in its own memory and sends them to its *buddy*, the next rank in a ring that visits every
-  host before it visits a host again (so a buddy is on another host wherever there is one), which
-  keeps them too. A worker's chunks survive unless it and its buddy die together; a whole host's
-  loss costs nothing where each host's buddies are on another. Cost: ``4 * (weights + state) /
-  workers`` per worker (its own two slots and its ward's), and each commit sends one rank's chunks
-  over the network (an alltoall in which each rank sends only to its buddy).
+  chunks in its own memory and sends them to its *buddy*, the next rank on another host in a ring
+  that visits every host before it visits a host again (the next rank, on one host), which keeps
+  them too. A worker's chunks survive unless it and its buddy die together; a whole host's loss
+  costs nothing, since every buddy is on another host wherever there is one. Cost: ``4 * (weights +
+  state) / workers`` per worker (its own two slots and its ward's) where hosts run as many workers
+  each; a worker of a smaller host is the buddy of several and keeps each one's chunks. Each commit
+  sends one rank's chunks over the network (an alltoall in which each rank sends only to its buddy).
 
 :class:`Copies` keeps each generation's commits the way its shape allows (a job formed on one host
 that workers on other hosts join moves to buddies at its next commit). After a re-form
@@ -164,37 +165,37 @@ class BuddyCopies:
 
     def __init__(self) -> None:
         self.slots: list[tuple[int, Holding] | None] = [None, None]  # (version, holding) by version % 2
-        self.ring: list[int] | None = None  # this generation's ranks in buddy order (made at its first commit)
+        self.buddies: list[int] | None = None  # this generation's buddy of each rank (made at its first commit)
 
     def retire(self) -> None:
-        """A re-formed group orders its ring again; the holdings name the old ranks they hold, and stay
-        until commits of the new group replace them."""
-        self.ring = None
+        """A re-formed group chooses its buddies again; the holdings name the old ranks they hold, and
+        stay until commits of the new group replace them."""
+        self.buddies = None
 
     def commit(self, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],
                positions: dict[int, int]) -> None:
         """Keep this rank's chunks of ``units`` (weights and ``state``) for ``version``, send them to the
-        buddy and keep the ward's. Collective (an alltoall, then a barrier); where it fails the slot of
-        ``version`` keeps what it held."""
+        buddy and keep the wards' (the ranks whose buddy this one is). Collective (an alltoall, then a
+        barrier); where it fails the slot of ``version`` keeps what it held."""
         entries = _entries(units, state, positions)
         rank, world = runtime.rank(), runtime.size()
         mine = [_part(entry, units, state).clone() for entry in entries]
         parts = {rank: mine}
         faults.point("commit.copies")
         if world > 1:
-            if self.ring is None:
-                self.ring = _ring()
-            at = self.ring.index(rank)
-            buddy, ward = self.ring[(at + 1) % world], self.ring[at - 1]
+            if self.buddies is None:
+                self.buddies = _buddies()
             sent = torch.cat([part.view(torch.uint8) for part in mine]) if mine else torch.empty(0, dtype=torch.uint8)
-            splits = [sent.numel() if r == buddy else 0 for r in range(world)]
-            received = collectives.alltoall(sent, splits, check=False)
-            parts[ward] = _unpacked(received, entries, ward)
+            splits = [sent.numel() if r == self.buddies[rank] else 0 for r in range(world)]
+            received = collectives.alltoall(sent, splits, check=False)  # the wards' bytes, in rank order
+            offset = 0
+            for ward in (r for r in range(world) if self.buddies[r] == rank):
+                parts[ward], offset = _unpacked(received, entries, ward, offset)
         collectives.barrier()
         self.slots[version % 2] = (version, Holding(entries, parts))
 
     def holding(self, version: int) -> Holding | None:
-        """The parts of ``version`` this worker holds (its own and its ward's), if it committed it."""
+        """The parts of ``version`` this worker holds (its own and its wards'), if it committed it."""
         kept = self.slots[version % 2]
         return kept[1] if kept is not None and kept[0] == version else None
 
@@ -206,21 +207,34 @@ def _part(entry: Entry, units: Sequence[Unit], state: dict[Any, dict[str, Any]])
     return (shard.detach() if entry.key == WEIGHTS else state[shard][entry.key]).reshape(-1)
 
 
-def _ring() -> list[int]:
-    """Every rank in buddy order: by index on its host, then by host (collective), so that consecutive
-    ranks are on different hosts wherever there are several; a rank's buddy is the next one."""
-    places = collectives.allgather_object((runtime.local_rank(), runtime.node_rank()), safe=True)
-    return sorted(range(len(places)), key=lambda rank: (*places[rank], rank))
+def _buddies() -> list[int]:
+    """Each rank's buddy (collective). The ranks in a ring ordered by index on their host, then by host,
+    so that consecutive ranks are on different hosts wherever there are several; a rank's buddy is
+    the next one on another host (the next one, on one host). Where hosts run different numbers of
+    workers, a worker of a smaller host is the buddy of several."""
+    return buddies_of(collectives.allgather_object((runtime.local_rank(), runtime.node_rank()), safe=True))
 
 
-def _unpacked(received: torch.Tensor, entries: Sequence[Entry], rank: int) -> list[torch.Tensor]:
-    """``rank``'s parts of ``entries`` from the bytes it sent (its parts, in entry order)."""
-    parts, offset = [], 0
+def buddies_of(places: Sequence[tuple[int, int]]) -> list[int]:
+    """:func:`_buddies` of ranks at ``places`` (each rank's index on its host, and its host)."""
+    ring = sorted(range(len(places)), key=lambda rank: (*places[rank], rank))
+    buddies = [0] * len(ring)
+    for at, rank in enumerate(ring):
+        following = ring[at + 1:] + ring[:at]
+        buddies[rank] = next((other for other in following if places[other][1] != places[rank][1]), following[0])
+    return buddies
+
+
+def _unpacked(received: torch.Tensor, entries: Sequence[Entry], rank: int,
+              offset: int) -> tuple[list[torch.Tensor], int]:
+    """``rank``'s parts of ``entries`` from the bytes it sent (its parts, in entry order), starting at
+    ``offset`` of ``received``; and where the next sender's bytes start."""
+    parts = []
     for entry in entries:
         size = torch.empty(0, dtype=entry.dtype).element_size() * entry.lengths[rank]
         parts.append(received[offset: offset + size].clone().view(entry.dtype))
         offset += size
-    return parts
+    return parts, offset
 
 
 def rebuild(copies: Copies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],

@@ -171,10 +171,10 @@ class ShardedOptimizer(HeldOptimizer):
         for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
             mine.update(_hyperparameters(theirs))
         if self.shared:
-            collectives.barrier()  # nobody reads the parameters while they change
+            collectives.host_barrier()  # nobody on this host reads the parameters while they change
         self.stepping.step()
         if self.shared:
-            collectives.barrier()
+            collectives.host_barrier()
         elif self.gathering is not None:
             self.gathering.after_step()  # gathered copies are stale now
         else:
@@ -294,7 +294,7 @@ class ShardedOptimizer(HeldOptimizer):
 
     def _share_loaded_weights(self) -> None:
         if self.shared:
-            collectives.barrier()
+            collectives.host_barrier()
         elif self.gathering is not None:
             self.gathering.after_step()
         else:

@@ -24,6 +24,7 @@ import functools
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -260,7 +261,7 @@ class FitRun:
         else:
             self.prepare()
             self.hooks.on_train_begin(self.state)
-            _train_epochs(self.state, self.hooks, self.val_loader, commit=lambda: None)
+            _train_epochs(self.state, self.hooks, self.val_loader, Commits())
         faults.point("train.end")
         self.hooks.on_train_end(self.state)
 
@@ -358,7 +359,7 @@ def _train_elastic(run: FitRun) -> None:
         if not begun:  # once per process: callbacks are this worker's own objects
             hooks.on_train_begin(state)
             begun = True
-        _train_epochs(state, hooks, val_loader, carried.commit, run.strategy.commit_every)
+        _train_epochs(state, hooks, val_loader, Commits(carried.commit, carried.stepped, run.strategy.commit_every))
         # Members leave together: one lost after its peers' last commit makes them re-form, so that
         # every survivor returns in the same group (one of them rank 0) rather than in a broken one.
         collectives.barrier()
@@ -394,12 +395,21 @@ def _resume_after_reform(run: FitRun, reason: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callable[[], None],
-                  commit_every: int = 1) -> None:
-    """What is left of the run's epochs; ``commit`` after every ``commit_every`` global steps and at
-    each epoch's end."""
+@dataclass(frozen=True)
+class Commits:
+    """When the loop commits an elastic job's state: ``commit`` after every ``every`` global steps,
+    where a callback stops the run and at each epoch's end; ``stepped`` after each step (the first
+    one after a re-form ends the recovery's clock). The defaults: a run that commits nothing."""
+
+    commit: Callable[[], None] = lambda: None
+    stepped: Callable[[], None] = lambda: None
+    every: int = 1
+
+
+def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commits: Commits) -> None:
+    """What is left of the run's epochs, committed as ``commits`` says."""
     for epoch in range(state.epoch, state.epochs):
-        logs = _train_epoch(state, hooks, epoch, commit, commit_every)
+        logs = _train_epoch(state, hooks, epoch, commits)
         if logs is None:  # stopped mid-epoch: the position stays resumable
             return
         if val_loader is not None:
@@ -410,13 +420,12 @@ def _train_epochs(state: TrainState, hooks: Any, val_loader: Any, commit: Callab
         state.rates.after_epoch(state, logs)
         hooks.on_epoch_end(epoch, logs, state)
         faults.point("epoch.end")
-        commit()
+        commits.commit()
         if state.stop_training:
             return
 
 
-def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[], None],
-                 commit_every: int = 1) -> dict[str, float] | None:
+def _train_epoch(state: TrainState, hooks: Any, epoch: int, commits: Commits) -> dict[str, float] | None:
     """Run what is left of ``epoch``; its global metrics, or ``None`` when a callback stopped it midway."""
     state.model.train()
     if state.epoch != epoch:
@@ -427,7 +436,7 @@ def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[],
     hooks.on_epoch_begin(epoch, state)
     if state.step < state.steps_per_epoch:  # an elastic recovery can land after the last batch
         state.loader.set_epoch(epoch)
-        finished = _train_steps(state, hooks, commit, commit_every)
+        finished = _train_steps(state, hooks, commits)
         state.guard.settle()  # a verdict still on its way (GPU) is decided before validation and checkpoints
         if not finished:
             return None
@@ -435,9 +444,9 @@ def _train_epoch(state: TrainState, hooks: Any, epoch: int, commit: Callable[[],
     return reduce_metrics(state.metrics)
 
 
-def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None], commit_every: int = 1) -> bool:
-    """The epoch's remaining steps, committed after every ``commit_every`` global steps and where a
-    callback asks to stop; False when it asked before the epoch's end."""
+def _train_steps(state: TrainState, hooks: Any, commits: Commits) -> bool:
+    """The epoch's remaining steps, committed as ``commits`` says; False when a callback asked to
+    stop before the epoch's end."""
     logs: dict[str, float] = {}
     started, samples = time.perf_counter(), 0
     for batch in state.loader:
@@ -453,8 +462,9 @@ def _train_steps(state: TrainState, hooks: Any, commit: Callable[[], None], comm
             logs = reduce_metrics(state.metrics)
         logs["samples_per_s"] = samples / max(time.perf_counter() - started, 1e-9)
         hooks.on_step_end(state.step - 1, logs, state)
-        if state.global_step % commit_every == 0 or state.stop_training:
-            commit()
+        commits.stepped()
+        if state.global_step % commits.every == 0 or state.stop_training:
+            commits.commit()
         if state.stop_training and state.step < state.steps_per_epoch:
             return False
     return True
