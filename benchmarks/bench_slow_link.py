@@ -24,6 +24,8 @@ batches), through ``px.fit``:
   diloco10    px.DiLoCo(period=10): the outer optimizer Nesterov SGD of --outer-lr and
               --outer-momentum (the paper's lr 0.7, momentum 0.9 by default)
   diloco50    px.DiLoCo(period=50)
+  diloco100   px.DiLoCo(period=100): the period ``phalanx doctor --bandwidth 0.1`` recommends for this
+              model and batch (RESULTS.md), checked here
   streaming10 px.DiLoCo(period=10, fragments=2): Streaming DiLoCo, delay 1 (the default)
 
 Network settings: ``host`` (both workers on this host: phalanx's shared-memory transport),
@@ -74,8 +76,8 @@ from typing import Any
 
 from bench_ddp import netns_down, netns_up, start_workers
 
-VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "localsgd50", "diloco10", "diloco50", "streaming10"]
-PERIODS = {"localsgd10": 10, "localsgd50": 50, "diloco10": 10, "diloco50": 50}  # the workers agree after multiples of these
+VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "localsgd50", "diloco10", "diloco50", "diloco100", "streaming10"]
+PERIODS = {"localsgd10": 10, "localsgd50": 50, "diloco10": 10, "diloco50": 50, "diloco100": 100}  # the workers agree after multiples of these
 SETTINGS = {"host": None, "1gbit": "1gbit", "100mbit": "100mbit"}  # name: tbf rate (None: one host)
 VOCAB = 256
 TARGET_SPEEDUP, TARGET_LOSS_RATIO = 5.0, 1.03
@@ -161,8 +163,8 @@ def wrap_variant(name: str, model: Any, topk_ratio: float, outer: tuple[float, f
         return model, px.LocalSGD(period=50)
     if name == "diloco10":
         return model, px.DiLoCo(period=10, outer_optimizer=outer_sgd)
-    if name == "diloco50":
-        return model, px.DiLoCo(period=50, outer_optimizer=outer_sgd)
+    if name in ("diloco50", "diloco100"):
+        return model, px.DiLoCo(period=PERIODS[name], outer_optimizer=outer_sgd)
     if name == "streaming10":
         return model, px.DiLoCo(period=10, fragments=2, outer_optimizer=outer_sgd)
     raise ValueError(f"unknown variant {name!r}")
@@ -176,7 +178,7 @@ def bytes_per_step(name: str, params: int, topk_ratio: float) -> float:
         return 2.0 * params
     if name == "topk":  # fp32 values and int64 indices of the entries kept (per bucket, about the ratio)
         return 12.0 * params * topk_ratio
-    return 4.0 * params / (50 if name.endswith("50") else 10)
+    return 4.0 * params / PERIODS.get(name, 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,9 +461,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="dp is always measured")
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "diloco100"], choices=VARIANTS,
+                        help="dp is always measured; diloco100 only when named (with --eval-every 100)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per variant (S)")
-    parser.add_argument("--eval-every", type=int, default=50, help="steps between validations (E), a multiple of 50")
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="steps between validations (E), a multiple of every chosen period (50; 100 with diloco100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed dp steps at the start of each job")
     parser.add_argument("--reps", type=int, default=1, help="repetitions (alternations)")
     parser.add_argument("--global-batch", type=int, default=4,
@@ -489,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.eval_every, args.reps, args.warmup = 50, 50, 1, 10
     args.variants = ["dp", *(v for v in args.variants if v != "dp")]
-    if args.eval_every % math.lcm(*PERIODS.values()) or args.steps % args.eval_every:
-        parser.error("--eval-every must be a multiple of 50 (the workers agree there) and divide --steps")
+    agree_every = math.lcm(*(PERIODS.get(v, 1) for v in args.variants))
+    if args.eval_every % agree_every or args.steps % args.eval_every:
+        parser.error(f"--eval-every must be a multiple of {agree_every} (the chosen variants' workers agree "
+                     "there) and divide --steps")
     if any(SETTINGS[s] for s in args.settings) and os.geteuid() != 0:
         parser.error("the 1gbit and 100mbit settings make network namespaces: run as root, or --settings host")
 
