@@ -179,18 +179,22 @@ class BuddyCopies:
         barrier); where it fails the slot of ``version`` keeps what it held."""
         entries = _entries(units, state, positions)
         rank, world = runtime.rank(), runtime.size()
-        mine = [_part(entry, units, state).clone() for entry in entries]
-        parts = {rank: mine}
+        places, size = _packing(entries, rank)
+        sent = torch.empty(size, dtype=torch.uint8)  # this rank's parts, kept as its own copy and sent as they are
+        for entry, (start, stop) in zip(entries, places):
+            sent[start:stop].copy_(_part(entry, units, state).view(torch.uint8))
+        parts = {rank: _unpacked(sent, entries, places)}
         faults.point("commit.copies")
         if world > 1:
             if self.buddies is None:
                 self.buddies = _buddies()
-            sent = torch.cat([part.view(torch.uint8) for part in mine]) if mine else torch.empty(0, dtype=torch.uint8)
-            splits = [sent.numel() if r == self.buddies[rank] else 0 for r in range(world)]
+            splits = [size if r == self.buddies[rank] else 0 for r in range(world)]
             received = collectives.alltoall(sent, splits, check=False)  # the wards' bytes, in rank order
             offset = 0
             for ward in (r for r in range(world) if self.buddies[r] == rank):
-                parts[ward], offset = _unpacked(received, entries, ward, offset)
+                places, size = _packing(entries, ward)
+                parts[ward] = _unpacked(received[offset: offset + size], entries, places)
+                offset += size
         collectives.barrier()
         self.slots[version % 2] = (version, Holding(entries, parts))
 
@@ -225,16 +229,20 @@ def buddies_of(places: Sequence[tuple[int, int]]) -> list[int]:
     return buddies
 
 
-def _unpacked(received: torch.Tensor, entries: Sequence[Entry], rank: int,
-              offset: int) -> tuple[list[torch.Tensor], int]:
-    """``rank``'s parts of ``entries`` from the bytes it sent (its parts, in entry order), starting at
-    ``offset`` of ``received``; and where the next sender's bytes start."""
-    parts = []
+def _packing(entries: Sequence[Entry], rank: int) -> tuple[list[tuple[int, int]], int]:
+    """Where ``rank``'s part of each entry lies in the bytes it keeps and sends, each starting on a
+    cache line (so that every part can be viewed as its dtype), and their length."""
+    places, end = [], 0
     for entry in entries:
-        size = torch.empty(0, dtype=entry.dtype).element_size() * entry.lengths[rank]
-        parts.append(received[offset: offset + size].clone().view(entry.dtype))
-        offset += size
-    return parts, offset
+        start = -(-end // host_memory.ALIGNMENT) * host_memory.ALIGNMENT
+        end = start + torch.empty(0, dtype=entry.dtype).element_size() * entry.lengths[rank]
+        places.append((start, end))
+    return places, -(-end // host_memory.ALIGNMENT) * host_memory.ALIGNMENT
+
+
+def _unpacked(packed: torch.Tensor, entries: Sequence[Entry], places: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """The parts of ``entries`` in ``packed`` (laid out by :func:`_packing`), as views of their dtypes."""
+    return [packed[start:stop].view(entry.dtype) for entry, (start, stop) in zip(entries, places)]
 
 
 def rebuild(copies: Copies, version: int, units: Sequence[Unit], state: dict[Any, dict[str, Any]],

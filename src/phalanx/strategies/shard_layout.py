@@ -122,10 +122,8 @@ def chunk_bounds(numel: int, hosts: Sequence[Sequence[int]] | None = None) -> li
     hosts are replicas of each other (a rank's chunk is that of its local index)."""
     bounds: list[tuple[int, int]] = [(0, 0)] * runtime.size()
     for ranks in hosts if hosts is not None else [range(runtime.size())]:
-        sizes = [len(chunk) for chunk in torch.arange(numel).tensor_split(len(ranks))]
+        base, longer = divmod(numel, len(ranks))  # tensor_split's cut: the first ``longer`` one longer
         for local, rank in enumerate(ranks):
-            start = sum(sizes[:local])
-            bounds[rank] = (start, start + sizes[local])
+            start = local * base + min(local, longer)
+            bounds[rank] = (start, start + base + (local < longer))
     return bounds
-
-
