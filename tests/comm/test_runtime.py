@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import multiprocessing
+import os
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -99,13 +101,35 @@ def test_ranks_and_the_default_process_group_in_a_real_job() -> None:
     assert described == [(r, 3, r, r == 0, True, r) for r in range(3)]
 
 
+def _init_without_its_store(answers: Any) -> None:
+    """A worker whose launcher's store is absent (nothing listens on port 9): px.init's error."""
+    px.shutdown()  # this process's world of one, if a test here made it, is not the worker's
+    os.environ.clear()
+    os.environ.update({"PHALANX_RANK": "1", "PHALANX_WORLD_SIZE": "2", "PHALANX_LOCAL_RANK": "1",
+                       "PHALANX_LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+                       "PHALANX_STORE_HOSTED": "1", "PATH": "/usr/bin:/bin"})
+    started = time.monotonic()
+    try:
+        px.init(timeout=2)
+        answers.put(("initialized", 0.0))
+    except px.CollectiveTimeoutError as error:
+        answers.put((str(error), time.monotonic() - started))
+
+
 def test_rendezvous_with_an_absent_store_fails_clearly_within_the_timeout() -> None:
-    script = "import phalanx as px\ntry:\n    px.init(timeout=2)\nexcept px.CollectiveTimeoutError as e:\n    print(e)"
-    env = {"PHALANX_RANK": "1", "PHALANX_WORLD_SIZE": "2", "PHALANX_LOCAL_RANK": "1",
-           "PHALANX_LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
-           "PHALANX_STORE_HOSTED": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert "rendezvous on rank 1 failed" in done.stdout, done.stdout + done.stderr
+    """(Forked from this process, torch already imported: the environment is read at px.init.)"""
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    worker = context.Process(target=_init_without_its_store, args=(answers,), daemon=True)
+    worker.start()
+    try:
+        said, seconds = answers.get(timeout=60)
+    finally:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+    assert "rendezvous on rank 1 failed" in said, said
+    assert seconds < 10, f"px.init(timeout=2) took {seconds:.1f}s to fail"
 
 
 def _init_again_and_again() -> list[float]:
