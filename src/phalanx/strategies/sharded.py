@@ -17,6 +17,9 @@ only those chunks, so Adam's two moments cost ``8 / W`` bytes per parameter inst
   in shared memory the buckets are all-reduced through it instead, which costs no more there.)
   Where the CPU transport is shared memory the reduce-scatter and the all-gathers go through it,
   hierarchically across hosts: only the chunks of other hosts cross the link, half of an allreduce.
+* ``shared_memory=True`` on several hosts: each host keeps the units once in its shared memory and
+  its workers shard them (each host its own cut); the hosts are replicas, the buckets all-reduced as
+  px.DataParallel's, so that nothing but its allreduce crosses the link (hybrid sharding).
 
 An elementwise optimizer (SGD, Adam, AdamW, ...) computes the same numbers on a chunk as on the
 whole tensors, bit for bit (checked on this machine for every torch optimizer below), so sharded
@@ -450,8 +453,9 @@ class Sharded(Strategy):
     ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``shared_memory``:
     ``"auto"`` keeps the units once per host in shared memory when every worker is on this host and
     reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
-    and level 3 has nothing to gather); ``False`` gives each worker its copy (levels 1-2, kept equal by
-    all-gathers) or its chunks (level 3, gathered per block). ``copies`` (elastic jobs): ``"auto"``
+    and level 3 has nothing to gather); ``True`` also does so on each of several hosts, the hosts
+    replicas of each other (not in elastic jobs); ``False`` gives each worker its copy (levels 1-2,
+    kept equal by all-gathers) or its chunks (level 3, gathered per block). ``copies`` (elastic jobs): ``"auto"``
     (or ``True``) commits every rank's chunks where a death does not take them, in host memory when
     every worker is on this host, else in the rank's memory and its buddy's on another host, so that
     a re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits
