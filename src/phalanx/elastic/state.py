@@ -281,9 +281,9 @@ class State:
         if pending.get("stepped"):  # the first step was reported: this is the first commit after it
             if at_commit:
                 self.recoveries[-1] = replace(self.recoveries[-1], event_to_commit_s=since_event)
-            if at_commit and view.lost:  # a join changes the group at a commit: nothing is trained again
-                self._say(f"phalanx elastic: generation {view.generation} back past its last commit before the change "
-                          f"(the steps since it trained again) {since_event:.2f}s after the event")
+                if view.lost:  # a join changes the group at a commit: nothing is trained again
+                    self._say(f"phalanx elastic: generation {view.generation} back past its last commit before the "
+                              f"change (the steps since it trained again) {since_event:.2f}s after the event")
             return
         pending["stepped"] = True
         record = Recovery(view.generation, view.size, view.reason, view.lost, view.joined,

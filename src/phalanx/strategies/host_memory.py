@@ -7,13 +7,29 @@ by one rank is seen by all without sending anything.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from phalanx.comm import collectives, runtime
 
 ALIGNMENT = 64  # bytes: each view starts on a cache line
+
+
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to the next cache line."""
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def packed_offsets(sizes: Iterable[int], start: int = 0) -> tuple[list[int], int]:
+    """Where runs of ``sizes`` bytes lie one after the other from ``start``, each on a cache line (so
+    that every run can be viewed as any dtype), and where the last one ends."""
+    offsets, end = [], start
+    for size in sizes:
+        end = aligned(end)
+        offsets.append(end)
+        end += size
+    return offsets, end
 
 
 def possible(across_hosts: bool = False) -> bool:
@@ -42,11 +58,7 @@ def shared_copies(tensors: Sequence[torch.Tensor], writer: int, tag: str) -> lis
 
     Collective: every rank passes tensors of the same shapes and dtypes, in the same order.
     """
-    offsets, end = [], 0
-    for tensor in tensors:
-        end = -(-end // ALIGNMENT) * ALIGNMENT
-        offsets.append(end)
-        end += tensor.numel() * tensor.element_size()
+    offsets, end = packed_offsets(t.numel() * t.element_size() for t in tensors)
     arena = runtime.host_arena(tag, end)
     views = [arena[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
              for start, t in zip(offsets, tensors)]

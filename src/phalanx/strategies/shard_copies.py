@@ -232,12 +232,9 @@ def buddies_of(places: Sequence[tuple[int, int]]) -> list[int]:
 def _packing(entries: Sequence[Entry], rank: int) -> tuple[list[tuple[int, int]], int]:
     """Where ``rank``'s part of each entry lies in the bytes it keeps and sends, each starting on a
     cache line (so that every part can be viewed as its dtype), and their length."""
-    places, end = [], 0
-    for entry in entries:
-        start = -(-end // host_memory.ALIGNMENT) * host_memory.ALIGNMENT
-        end = start + torch.empty(0, dtype=entry.dtype).element_size() * entry.lengths[rank]
-        places.append((start, end))
-    return places, -(-end // host_memory.ALIGNMENT) * host_memory.ALIGNMENT
+    sizes = [torch.empty(0, dtype=entry.dtype).element_size() * entry.lengths[rank] for entry in entries]
+    starts, end = host_memory.packed_offsets(sizes)
+    return [(start, start + size) for start, size in zip(starts, sizes)], host_memory.aligned(end)
 
 
 def _unpacked(packed: torch.Tensor, entries: Sequence[Entry], places: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
@@ -344,14 +341,11 @@ def _entries(units: Sequence[Unit], state: dict[Any, dict[str, Any]], positions:
 def _segment(entries: list[Entry]) -> Segment:
     """A fresh segment for ``entries``, two slots of every rank's parts (collective)."""
     world = runtime.size()
-    offsets: dict[tuple[int, int, int], int] = {}
-    end = 2 * world * 8  # the stamps, int64
-    for slot in range(2):
-        for rank in range(world):
-            for index, entry in enumerate(entries):
-                end = -(-end // host_memory.ALIGNMENT) * host_memory.ALIGNMENT
-                offsets[slot, rank, index] = end
-                end += entry.lengths[rank] * torch.empty(0, dtype=entry.dtype).element_size()
+    places = [(slot, rank, index) for slot in range(2) for rank in range(world) for index in range(len(entries))]
+    starts, end = host_memory.packed_offsets(  # after the stamps, int64
+        (entries[index].lengths[rank] * torch.empty(0, dtype=entries[index].dtype).element_size()
+         for _, rank, index in places), start=2 * world * 8)
+    offsets = dict(zip(places, starts))
     arena = runtime.host_arena("sharded-copies", end) if world > 1 else torch.empty(end, dtype=torch.uint8)
     stamps = arena[: 2 * world * 8].view(torch.int64).view(2, world)
     if runtime.rank() == 0:
