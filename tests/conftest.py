@@ -47,17 +47,13 @@ def gpu_count() -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the ``cuda`` tests where no GPU is visible; the others run the same everywhere. Under
     pytest-xdist (``-n N --dist loadgroup``), the tests on the session's Ray cluster share one worker,
-    which starts that cluster once; they are the suite's longest (about 170 s together), so they go
-    first, then the tests marked ``long``, while the other workers share the rest: a long test
-    started last keeps one worker busy alone after the others have finished."""
+    which starts that cluster once; they are the suite's longest (about 250 s together), so they go
+    first, while the other workers share the rest (last, they ran alone for minutes)."""
     if config.pluginmanager.hasplugin("xdist"):
         on_ray = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
         for item in on_ray:
             item.add_marker(pytest.mark.xdist_group("ray"))
-        first = set(on_ray)
-        long = [item for item in items if item not in first and item.get_closest_marker("long")]
-        first.update(long)
-        items[:] = on_ray + long + [item for item in items if item not in first]
+        items[:] = on_ray + [item for item in items if item not in on_ray]
     cuda = [item for item in items if item.get_closest_marker("cuda")]
     if cuda and gpu_count() == 0:
         for item in cuda:

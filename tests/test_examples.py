@@ -60,7 +60,6 @@ def _quickstarts(folder: Path, script: Path = EXAMPLES / "quickstart.py") -> tup
         return alone.result(), pair
 
 
-@pytest.mark.long
 def test_the_quickstart_prints_readmes_figures_at_one_and_two_workers_and_bitwise_when_reproducible(
         tmp_path: Path) -> None:
     """README's headline, checked: the same curve at 1 and 2 workers, the figures README quotes, and
@@ -96,7 +95,6 @@ def test_readme_begins_with_the_quickstart_script_verbatim() -> None:
     assert first == (EXAMPLES / "quickstart.py").read_text()
 
 
-@pytest.mark.long
 def test_make_demo_checkpoints_and_a_second_run_resumes(tmp_path: Path) -> None:
     folder = tmp_path / "demo"
     make = ["make", "-s", "-C", str(ROOT), "demo", "STAMP=", f"BIN={Path(sys.executable).parent}",
@@ -113,7 +111,6 @@ def test_make_demo_checkpoints_and_a_second_run_resumes(tmp_path: Path) -> None:
     assert accuracy(second.stdout) == accuracy(first.stdout)
 
 
-@pytest.mark.long
 def test_the_sharded_example_trains_at_level_3_and_is_refused_unsharded(tmp_path: Path) -> None:
     """Four workers under the example's memory limit: unsharded Adam is refused naming the level that
     fits; level 3 trains (a quick look: 256 samples, four steps, the loss falls)."""

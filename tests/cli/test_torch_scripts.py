@@ -65,7 +65,6 @@ def test_a_torchrun_ddp_script_runs_in_an_elastic_job(tmp_path: Path) -> None:
     assert len(done.stdout.splitlines()) == 2, done.stdout
 
 
-@pytest.mark.long
 def test_a_torchrun_ddp_script_runs_across_two_hosts(tmp_path: Path, two_hosts: list[str]) -> None:
     script = write_script(tmp_path, "ddp.py", DDP_SCRIPT)
     common = ["-n", "1", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29519"]

@@ -227,7 +227,6 @@ def _concatenated(tensors: list[torch.Tensor]) -> torch.Tensor:
 # --- the test --------------------------------------------------------------------------------
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_every_collective_gives_the_right_result_or_the_same_error_on_every_rank(transport: str) -> None:
     if transport == "shm" and not shm.available():

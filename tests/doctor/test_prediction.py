@@ -21,8 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from phalanx.cli.doctor import collect, diagnose
 from phalanx.doctor.diagnosis import Diagnosis
 from phalanx.doctor.measured import summarize, typical
@@ -54,7 +52,6 @@ def disagreements(diagnosis: Diagnosis) -> list[tuple[int, float, list[float]]]:
     return found
 
 
-@pytest.mark.long
 def test_predictions_for_1_and_2_workers_agree_with_separate_runs_within_15_percent() -> None:
     failures = []
     for _ in range(ATTEMPTS):

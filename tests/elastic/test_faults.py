@@ -164,7 +164,6 @@ def test_a_worker_and_its_buddy_lost_together_resume_from_the_last_checkpoint_an
     assert digest == uninterrupted_sharded(2)
 
 
-@pytest.mark.long
 def test_a_sharded_job_that_loses_a_whole_host_rebuilds_its_shards_from_the_buddies_on_the_other(
         tmp_path: Path, two_hosts: list[str]) -> None:
     """Host 0's two workers found a level-2 job (copies in host memory) and hold at step 3 until host

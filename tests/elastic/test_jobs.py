@@ -173,7 +173,6 @@ def test_too_few_workers_stop_the_job_with_an_error_and_a_checkpoint(tmp_path: P
 # ---- two hosts: network namespaces joined by a veth pair (the `two_hosts` fixture, conftest.py) ----
 
 
-@pytest.mark.long
 def test_two_hosts_train_together(tmp_path: Path, two_hosts: list[str]) -> None:
     common = ["-n", "1", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29517",
               "--timeout", "60"]
@@ -195,7 +194,6 @@ def test_two_hosts_train_together(tmp_path: Path, two_hosts: list[str]) -> None:
     assert_matches_reference(result["weights"])
 
 
-@pytest.mark.long
 def test_a_host_cut_off_the_network_is_declared_dead(tmp_path: Path, two_hosts: list[str]) -> None:
     """Node 1 founds the job with node 0 or, started late, joins it at step 5 (the job holds for it); at
     step 20 both hold while the test cuts node 1's link, and node 0 goes on alone within the timeout."""

@@ -207,7 +207,6 @@ def test_async_servers_drop_a_lost_worker_and_go_on(tmp_path: Path) -> None:
     assert len(histories) == 3 and len(set(histories)) == 1, histories
 
 
-@pytest.mark.long
 def test_servers_on_two_hosts_train_like_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
     """One worker and one server per host (two network namespaces): DataParallel's weights."""
     expected = reference(tmp_path, 2)

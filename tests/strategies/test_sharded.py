@@ -108,7 +108,6 @@ def test_level_3_gathers_on_a_worker_without_samples_and_trains_as_data_parallel
     assert "val_loss" in unsharded["history"]
 
 
-@pytest.mark.long
 def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
     """Two workers on each of two hosts (network namespaces; shared memory within each): level 2
     reduce-scatters hierarchically (shared memory, then the chunks of the other host's ranks over the
