@@ -21,7 +21,9 @@ Variants:
   ddp    torch.nn.parallel.DistributedDataParallel(model) on the process group px.init() made, Adam
   px     px.DataParallel(model), Adam (the unsharded phalanx engine, 25 MB buckets)
   s1     px.Sharded(level=1): Adam's state sharded (ZeRO-1), buckets all-reduced
-  s2     px.Sharded(level=2): also the gradients (buckets reduce-scattered, freed after the step)
+  s2     px.Sharded(level=2): also the gradients (buckets reduce-scattered, freed after the step);
+         between hosts s1 and s2 keep one copy per host by default where it holds no more (as s1h,
+         s2h; at 2 hosts of 2 workers with Adam it does), else shard across the hosts (as s1x, s2x)
   s3     px.Sharded(level=3): also the parameters; on one host the units live once in shared memory
          (each worker's share of them is its chunk) and nothing is gathered
   s1x, s2x, s3x  the same with shared_memory=False, as between hosts: each worker its own copy of the

@@ -107,7 +107,8 @@ def _measured(elastic: bool = False) -> MeasuredMemory:
 def test_the_lowest_level_that_fits_the_given_host_memory_is_recommended() -> None:
     """At the step, with 1 B/param of activations: on one host of 4 workers 17 B/param unsharded, 8 at
     levels 1-3 (units in shared memory, the step's gradient buckets whole); 16 workers across hosts of 4:
-    17, 9.5, 9.5 and 5.75."""
+    17, then 8 at levels 1-2 (one copy per host, px.Sharded's default there: it holds less than the
+    9.5 of sharding across the hosts) and 5.75 at level 3; an elastic job shards across hosts: 9.5."""
     layouts = [Layout(4, 4), Layout(16, 4)]
 
     def lowest(budget_per_parameter: float, elastic: bool = False) -> list[int | None]:
@@ -118,9 +119,11 @@ def test_the_lowest_level_that_fits_the_given_host_memory_is_recommended() -> No
 
     assert lowest(20) == [0, 0]
     assert lowest(12) == [1, 1]
+    assert lowest(8.5) == [1, 1]
     assert lowest(7) == [None, 3]
     assert lowest(5) == [None, None]
     assert lowest(20, elastic=True) == [1, 1]  # a whole copy of weights and state (12 B/param) on top unsharded
+    assert lowest(12, elastic=True) == [None, 3]  # copies 6 / 3 on top; level 1 across hosts 9.5 + 3 (no replicas)
     unknown = predict(_measured(), layouts, [64, 64])
     assert [row.lowest_fitting for row in unknown] == [None, None] and unknown[0].levels[0].fits is None
 

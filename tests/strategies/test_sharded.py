@@ -109,28 +109,32 @@ def test_level_3_gathers_on_a_worker_without_samples_and_trains_as_data_parallel
 
 
 def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, two_hosts: list[str]) -> None:
-    """Two workers on each of two hosts (network namespaces; shared memory within each): level 2
-    reduce-scatters hierarchically (shared memory, then the chunks of the other host's ranks over the
-    network), every level all-gathers the same way, level 3 on a worker without samples too
-    (sharded_hosts.py's last step). With ``shared_memory=True`` each host keeps the units once in its
-    shared memory, the hosts replicas of each other: every level trains alike, nothing is gathered,
-    and a checkpoint written by one replica of each chunk resumes and reads back whole."""
+    """Two workers on each of two hosts (network namespaces; shared memory within each). Sharded
+    across the hosts (``shared_memory=False``; level 3 by default) level 2 reduce-scatters
+    hierarchically (shared memory, then the chunks of the other host's ranks over the network) and
+    every level all-gathers the same way, level 3 on a worker without samples too (sharded_hosts.py's
+    last step). By default levels 1-2 keep the units once per host (holding no more per worker), as
+    ``shared_memory=True`` does at every level: the hosts replicas, nothing is gathered, and a
+    checkpoint written by one replica of each chunk resumes and reads back whole."""
     common = ["--timeout", "60", "-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29533"]
     out, checkpoints = tmp_path / "levels.pt", tmp_path / "checkpoints"
     script = [str(Path(__file__).with_name("sharded_hosts.py")), str(out), str(checkpoints)]
     codes, outputs = run_on_hosts(two_hosts, common, script, tmp_path, worker_env(), 150)
     assert codes == [0, 0], outputs
     weights = torch.load(out)
-    for level in (1, 2, 3, ("replicas", 1), ("replicas", 2), ("replicas", 3)):
-        for name, value in weights[0].items():
-            torch.testing.assert_close(weights[level][name], value, rtol=1e-5, atol=1e-6, msg=f"level {level} {name}")
+    for run in ((1, False), (2, False), (3, "auto"), (1, "auto"), (2, "auto"), (3, True)):
+        for name, value in weights[(0, "auto")].items():
+            torch.testing.assert_close(weights[run][name], value, rtol=1e-5, atol=1e-6, msg=f"{run} {name}")
     said = "".join(stdout for stdout, _ in outputs)
-    assert said.count("level 2 reduced by reduce-scatter to shards") == 4, said
-    assert said.count("replicas at level 2: allreduce, sharded step, nothing gathered") == 8, said
-    assert said.count("replicas at level 3: allreduce, sharded step, nothing gathered") == 4, said
+    replicas = "allreduce, sharded step, one copy per host"
+    assert said.count("level 2 shared_memory=False: reduce-scatter to shards, a copy per worker") == 4, said
+    assert said.count("level 3 shared_memory=auto: reduce-scatter to shards, chunks gathered per block") == 4, said
+    assert said.count(f"level 1 shared_memory=auto: {replicas}") == 4, said
+    assert said.count(f"level 2 shared_memory=auto: {replicas}") == 8, said
+    assert said.count(f"level 3 shared_memory=True: {replicas}") == 4, said
     newest = sorted(checkpoints.glob("checkpoint-*.pt"))[-1]
     whole = px.checkpoint_weights(newest)
-    for name, value in weights[("replicas", 2)].items():
+    for name, value in weights[(2, "auto")].items():
         assert torch.equal(whole[name], value), name
 
 

@@ -8,8 +8,9 @@ step), optimizer state and the activations one forward saved, in tensor bytes.
 Predicted, for each level (0: px.DataParallel, 1-3: px.Sharded) and layout, from the model's
 trained bytes and the whole optimizer state measured (every rank's chunks summed where it was
 sharded): :func:`phalanx.strategies.base.held_per_worker`, with the units in host shared memory
-where every worker is on one CPU host (as px.Sharded keeps them there, unless the run reduced over
-Gloo's sockets), plus the activations scaled to the layout's batch per worker (the measured forward's
+where every worker is on one CPU host and, between hosts, once per host at the levels where
+px.Sharded keeps them so (:func:`phalanx.strategies.base.one_copy_per_host`; not unless the run
+reduced through shared memory), plus the activations scaled to the layout's batch per worker (the measured forward's
 bytes per sample), plus, for an elastic run, what its commits keep
 (:func:`phalanx.strategies.base.elastic_copies_per_worker`). A level *fits* where its need at the
 step (parameters, the step's whole gradient buckets, optimizer state, activations, copies) is within
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from phalanx.doctor.predict import Layout
-from phalanx.strategies.base import SHARDING_LEVELS, elastic_copies_per_worker, held_per_worker
+from phalanx.strategies.base import SHARDING_LEVELS, elastic_copies_per_worker, held_per_worker, one_copy_per_host
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +174,15 @@ def predict(measured: MeasuredMemory, layouts: Sequence[Layout], local_batches: 
     rows = []
     for layout, local_batch in zip(layouts, local_batches):
         workers, one_host = layout.world_size, layout.hosts == 1
-        shared = shares_host_memory and one_host and workers > 1
         activations = per_sample * local_batch
         limit = budget(memory, layout.local)
         needs = []
         for level in SHARDING_LEVELS:
-            held = held_per_worker(measured.weights, measured.state, level, workers, shared)
+            replicas = shares_host_memory and not one_host and not measured.elastic and one_copy_per_host(
+                measured.weights, measured.state, level, workers, layout.local)
+            shared = shares_host_memory and workers > 1 and (one_host or replicas)
+            sharing = layout.local if replicas else workers
+            held = held_per_worker(measured.weights, measured.state, level, sharing, shared)
             copies = elastic_copies_per_worker(measured.weights, measured.state, level, workers, one_host) \
                 if measured.elastic else 0.0
             at_step = held.at_step + activations + copies

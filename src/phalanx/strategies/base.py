@@ -275,6 +275,18 @@ def held_per_worker(weights: float, state: float, level: int, workers: int, shar
                 step_gradients=weights)
 
 
+def one_copy_per_host(weights: float, state: float, level: int, workers: int, local: int) -> bool:
+    """Whether px.Sharded keeps one copy per host by default between hosts (each host's ``local``
+    workers sharding their host's copy, the hosts replicas): at levels 1 and 2, where a worker then
+    holds no more than sharding over all ``workers`` would have it hold. It then sends only
+    px.DataParallel's allreduce over the network, where sharding across hosts adds an all-gather
+    after the step that nothing hides; at level 3 it would hold more (every host the whole model)."""
+    if level not in (1, 2) or local < 2 or workers <= local:
+        return False
+    replicas = held_per_worker(weights, state, level, local, shared=True)
+    return replicas.total <= held_per_worker(weights, state, level, workers).total
+
+
 def elastic_copies_per_worker(weights: float, state: float, level: int, workers: int, one_host: bool) -> float:
     """Bytes an elastic commit keeps per worker beside training. px.DataParallel (level 0): a whole copy
     of the weights and the optimizer state in the worker's memory (the elastic State's commit).

@@ -17,7 +17,8 @@ only those chunks, so Adam's two moments cost ``8 / W`` bytes per parameter inst
   in shared memory the buckets are all-reduced through it instead, which costs no more there.)
   Where the CPU transport is shared memory the reduce-scatter and the all-gathers go through it,
   hierarchically across hosts: only the chunks of other hosts cross the link, half of an allreduce.
-* ``shared_memory=True`` on several hosts: each host keeps the units once in its shared memory and
+* On several hosts, at levels 1 and 2 by default where it holds no more per worker (and with
+  ``shared_memory=True`` at any level): each host keeps the units once in its shared memory and
   its workers shard them (each host its own cut); the hosts are replicas, the buckets all-reduced as
   px.DataParallel's, so that nothing but its allreduce crosses the link (hybrid sharding).
 
@@ -32,6 +33,7 @@ SparseAdam) is refused by name; one of your own that is elementwise is accepted 
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -45,8 +47,8 @@ from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
-from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strategy, held_bytes, refuse,
-                                     refuse_parameter_servers_launched, wrap)
+from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strategy, held_bytes, one_copy_per_host,
+                                     refuse, refuse_parameter_servers_launched, state_per_parameter, wrap)
 from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies import host_memory, shard_copies
 from phalanx.strategies.gathering import Gathering, cut
@@ -57,6 +59,8 @@ LEVELS = (1, 2, 3)
 #: rank's chunks of the weights and the optimizer state, up to 18 % of a step at 2 workers every step
 #: (bench_elastic_shard.py); every 4 steps 3-5 %, and a death costs at most 3 steps trained again.
 COMMIT_EVERY = 4
+
+logger = logging.getLogger(__name__)
 
 #: torch optimizers whose update of an element depends on that element alone (and scalars).
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -453,8 +457,9 @@ class Sharded(Strategy):
     ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``shared_memory``:
     ``"auto"`` keeps the units once per host in shared memory when every worker is on this host and
     reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
-    and level 3 has nothing to gather); ``True`` also does so on each of several hosts, the hosts
-    replicas of each other (not in elastic jobs); ``False`` gives each worker its copy (levels 1-2,
+    and level 3 has nothing to gather), and on each of several hosts at levels 1 and 2 where a worker
+    then holds no more than sharding across the hosts (the hosts replicas of each other; not in
+    elastic jobs); ``True`` does so on several hosts at any level; ``False`` gives each worker its copy (levels 1-2,
     kept equal by all-gathers) or its chunks (level 3, gathered per block). ``copies`` (elastic jobs): ``"auto"``
     (or ``True``) commits every rank's chunks where a death does not take them, in host memory when
     every worker is on this host, else in the rank's memory and its buddy's on another host, so that
@@ -462,7 +467,9 @@ class Sharded(Strategy):
     none (a re-formed group resumes from the last checkpoint on disk). ``commit_every`` (elastic
     jobs): optimizer steps between commits, by default :data:`COMMIT_EVERY` where copies are kept
     (each commit copies the rank's chunks) and 1 where none are; a death costs the steps since the
-    last commit, trained again bitwise alike.
+    last commit, trained again bitwise alike. Once set up, ``layout`` names where the units live
+    (``"one copy per host"``, ``"one copy on the host"``, ``"chunks gathered per block"`` or ``"a copy
+    per worker"``), as rank 0's log says.
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
@@ -493,6 +500,7 @@ class Sharded(Strategy):
         self.copies: shard_copies.Copies | None = None
         self.resumes_from_disk = copies is False  # set again by check, where the launch is known
         self.lost: str | None = None  # why the last re-formed group could not rebuild the shards in memory
+        self.layout = "not set up"  # where the units live, once set up (see _describe_layout)
 
     @property
     def name(self) -> str:
@@ -546,7 +554,7 @@ class Sharded(Strategy):
         between hosts) and move them into host shared memory where every worker is on this host; the
         units, the same in the order their buckets are reduced, and whether they are shared.
         ``alone``: units of this worker's own, whole, made without any collective."""
-        shared = not alone and self._share_memory()
+        shared = not alone and self._share_memory(optimizer)
         if self.level == 3 and not shared and not alone:
             if any(hasattr(module, "_orig_mod") for module in wrapped.modules()):
                 raise ConfigurationError(f"{self.name} with a model under torch.compile: level 3 frees and gathers the "
@@ -569,7 +577,28 @@ class Sharded(Strategy):
                                                                    "sharded")):
                 unit.bounds = chunk_bounds(unit.flat.numel(), hosts)
                 unit.adopt(view)
+        if not alone:
+            self._describe_layout(shared)
         return units, reduced, shared
+
+    def _describe_layout(self, shared: bool) -> None:
+        """Name where the units live (:attr:`layout`) and say it in the log, once per set-up or re-form."""
+        hosts = len(host_memory.hosts()) if shared else 1
+        if shared and hosts > 1:
+            self.layout = "one copy per host"
+            detail = (f"each of {hosts} hosts keeps the units once in its shared memory, its "
+                      f"{runtime.local_size()} workers sharding them; only the gradients' allreduce crosses the network")
+        elif shared:
+            self.layout = "one copy on the host"
+            detail = "the units live once in this host's shared memory, each worker stepping its chunk"
+        elif self.gathering is not None:
+            self.layout = "chunks gathered per block"
+            detail = "each worker keeps its chunks, gathered per block around its forward and backward"
+        else:
+            self.layout = "a copy per worker"
+            detail = "each worker keeps a copy of the parameters, its chunks all-gathered after each step"
+        if runtime.rank() == 0:
+            logger.info("%s over %d workers: %s (%s).", self.name, runtime.size(), self.layout, detail)
 
     commits_whole_state = False  # the State holds no shard: a saved commit could not resume
 
@@ -594,18 +623,26 @@ class Sharded(Strategy):
         model.reshard(runtime.rank(), runtime.size())  # a new engine, summing as before (reproducible mode's way)
         optimizer.relay(units, self.gathering, shared)
 
-    def _share_memory(self) -> bool:
+    def _share_memory(self, optimizer: OptimizerLike) -> bool:
         """Whether the units live in host shared memory: on one host unless ``shared_memory=False``;
-        on each of several hosts (replicas of each other) only with ``shared_memory=True``."""
-        across_hosts = self.shared_memory is True and not self.elastic
-        if self.shared_memory is True and not host_memory.possible(across_hosts):
+        on each of several hosts (replicas of each other) where :meth:`_replicas` says so."""
+        if self.shared_memory is True and not host_memory.possible(across_hosts=not self.elastic):
             raise ConfigurationError(f"{self.name} with shared_memory=True needs several CPU workers on each host, as "
                                      "many on every host (an elastic job: on one host), with px.init(transport='auto' "
                                      "or 'shm'); use shared_memory='auto'.")
-        return self.shared_memory is not False and host_memory.possible(across_hosts)
+        return self.shared_memory is not False and host_memory.possible(across_hosts=self._replicas(optimizer))
+
+    def _replicas(self, optimizer: OptimizerLike) -> bool:
+        """Whether each of several hosts would keep its own copy: with ``shared_memory=True``, and by
+        default at levels 1 and 2 where a worker then holds no more (:func:`one_copy_per_host`); never
+        in an elastic job, whose hosts may come and go."""
+        if self.elastic or self.shared_memory is False:
+            return False
+        return self.shared_memory is True or one_copy_per_host(
+            1.0, float(state_per_parameter(optimizer)), self.level, runtime.size(), runtime.local_size())
 
     def memory_needed(self, model: nn.Module, optimizer: Any) -> int:
-        replicas = self.shared_memory is True and host_memory.possible(across_hosts=not self.elastic)
+        replicas = self._replicas(optimizer) and host_memory.possible(across_hosts=True)
         return held_bytes(model, optimizer, level=self.level,
                           workers=runtime.local_size() if replicas else runtime.size())
 
