@@ -164,6 +164,20 @@ def test_a_worker_and_its_buddy_lost_together_resume_from_the_last_checkpoint_an
     assert digest == uninterrupted_sharded(2)
 
 
+def test_a_worker_and_its_buddy_lost_together_without_a_checkpoint_stop_the_job_naming_what_was_lost(
+        tmp_path: Path) -> None:
+    """The same double death with no checkpoint folder: nothing holds rank 1's chunks, so the job
+    ends (no silent wrong state, no hang), every survivor saying what was lost and what to do."""
+    args = ["-n", "4", "--min-workers", "1", "--timeout", "40"]
+    with launched(tmp_path, args, ["--level", "2", "--transport", "gloo"], job=Path(fit_job.__file__),
+                  env={faults.ENV: "step.end@1#6,step.end@2#6"}) as job:
+        code = job.wait(timeout=120)
+        said = job.output()
+    assert code != 0, said
+    assert re.search(r"the re-formed group of 2 cannot go on: px.Sharded\(level=2\) lost the copies of commit \d+ with "
+                     r"the workers that held them .* no checkpoint_dir to resume from", said), said
+
+
 def test_a_sharded_job_that_loses_a_whole_host_rebuilds_its_shards_from_the_buddies_on_the_other(
         tmp_path: Path, two_hosts: list[str]) -> None:
     """Host 0's two workers found a level-2 job (copies in host memory) and hold at step 3 until host
