@@ -18,7 +18,10 @@ its own units, and the copies kept by buddies (each rank's chunks sent to the ne
 
 Per variant: the mean time from one step's end to the next's on rank 0 over --steps steps (a
 multiple of 4: whole commit intervals) after 3 of warm-up, the commits included, each spread over
-its interval; the commit's share is that of the copies against the same level without them.
+its interval; the copies' share is that against the same level without them (another job). Within
+each job with copies, a commit's cost is also read off paired intervals: the median interval that
+follows a step with a commit less the median one without, and its share that cost over the steps
+of a commit interval (less noisy than comparing two jobs: the same processes, the same minute).
 Recovery: the same job (copies on) with rank 1 SIGKILLed after its 6th step's end, before that
 step's commit (``PHALANX_FAULTS=step.end@1#6``); rank 0 reports the time from the launcher seeing
 the death to the re-formed group's first completed step (the issue's measure: px.DataParallel's
@@ -64,11 +67,11 @@ def job(level: int, copies: bool, steps: int, out: str, transport: str) -> None:
     batch = 96 * px.size()
     samples = batch * (steps + WARMUP)
     x, y = torch.randn(samples, 1024), torch.randint(0, 10, (samples,))
-    ends: list[float] = []
+    ends: list[tuple[int, float]] = []
 
     class Clock:
         def on_step_end(self, step: int, logs: dict, state) -> None:  # noqa: ANN001 - px.fit's callback
-            ends.append(time.perf_counter())
+            ends.append((state.global_step, time.perf_counter()))
 
     strategy = px.Sharded(level=level, copies="auto" if copies else False) if level else None
     checkpoints = tempfile.mkdtemp(prefix="bench-elastic-") if level and not copies else None
@@ -76,8 +79,12 @@ def job(level: int, copies: bool, steps: int, out: str, transport: str) -> None:
            strategy=strategy, checkpoint_dir=checkpoints, checkpoint_every=10_000 if checkpoints else None,
            callbacks=[Clock()])
     if px.is_master():
-        intervals = [b - a for a, b in zip(ends[WARMUP - 1:], ends[WARMUP:])]
-        Path(out).write_text(json.dumps({"intervals": intervals}))
+        every = strategy.commit_every if strategy is not None else 1
+        # each interval runs from a step's end (then its commit, where one is due) to the next step's end
+        intervals = [(a_step % every == 0, b - a) for (a_step, a), (_, b) in zip(ends[WARMUP - 1:], ends[WARMUP:])]
+        Path(out).write_text(json.dumps({"intervals": [seconds for _, seconds in intervals], "every": every,
+                                         "after_commit": [seconds for committed, seconds in intervals if committed],
+                                         "plain": [seconds for committed, seconds in intervals if not committed]}))
 
 
 def launch(level: int, copies: bool, workers: int, steps: int, kill: bool, transport: str) -> dict:
@@ -131,6 +138,7 @@ def main() -> None:
     steps: dict[tuple[int, bool, int], list[float]] = {}
     recoveries: dict[tuple[int, int], list[float]] = {}
     commits: dict[tuple[int, int], list[float]] = {}
+    in_job: dict[tuple[int, int], list[tuple[float, float]]] = {}  # a commit's cost and share, within one job
     failures: list[str] = []
     for rep in range(args.reps):
         order = [(w, v) for w in workers for v in variants] + [(w, (level, "kill")) for w in workers for level in levels]
@@ -151,10 +159,17 @@ def main() -> None:
             else:
                 mean = statistics.fmean(result["intervals"])  # a commit every few steps counts its share
                 steps.setdefault((level, bool(mode), world), []).append(mean)
-                print(f"rep {rep}: {name}: step + commit {mean * 1e3:.1f} ms", flush=True)
+                said = f"rep {rep}: {name}: step + commit {mean * 1e3:.1f} ms"
+                if result["every"] > 1 and result["plain"] and result["after_commit"]:
+                    plain = statistics.median(result["plain"])
+                    cost = statistics.median(result["after_commit"]) - plain
+                    in_job.setdefault((level, world), []).append((cost, cost / (result["every"] * plain)))
+                    said += f"; in the job a commit {cost * 1e3:.1f} ms, {in_job[(level, world)][-1][1]:+.1%} a step"
+                print(said, flush=True)
     print("\n| workers | level | step + commit, copies (ms) | without copies (ms) | copies' share | "
+          "a commit within the job: ms, share of its interval's steps | "
           "recovery to the first step (s) | to the first commit (s) | held B/param | copies B/param |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for world in workers:
         for level in levels:
             with_copies = steps.get((level, True, world), [])
@@ -168,7 +183,10 @@ def main() -> None:
                   f"{statistics.median(with_copies) * 1e3:.1f} | " if with_copies else f"| {world} | {level} | - | ",
                   end="")
             print(f"{statistics.median(without) * 1e3:.1f} | " if without else "- | ", end="")
-            print(f"{ratio} | " + " | ".join(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+            paired = in_job.get((level, world), [])
+            print(f"{ratio} | " + (f"{statistics.median(c for c, _ in paired) * 1e3:.1f}, "
+                                   f"{statistics.median(r for _, r in paired):+.1%} | " if paired else "- | "), end="")
+            print(" | ".join(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
                                              if values else "-" for values in (kept, caught_up)) + " | ", end="")
             print(f"{own:.2f} | {copies:.2f} |")
     for failure in failures:
