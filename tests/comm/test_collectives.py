@@ -38,6 +38,11 @@ def _every_collective() -> dict:
     splits = [(r + dest) % 2 + 1 for dest in range(n)]
     out["alltoall"] = px.alltoall(torch.full((sum(splits),), r, dtype=torch.int64), splits=splits)
     out["alltoall_even"] = px.alltoall(torch.arange(n * 2) + 100 * r)
+    arriving = sum((k + r) % 2 + 1 for k in range(n))
+    for name, buffer in (("alltoall_buffer", torch.empty(arriving, dtype=torch.int64)),
+                         ("alltoall_misfit", torch.empty(arriving + 1, dtype=torch.int64))):
+        received = px.alltoall(torch.full((sum(splits),), r, dtype=torch.int64), splits=splits, buffer=buffer)
+        out[name] = (received, received.data_ptr() == buffer.data_ptr())
     px.barrier()
     out["object"] = px.broadcast_object({"from": r, "list": [1, 2]} if r == 0 else None)
     out["objects"] = px.allgather_object(("rank", r))
@@ -88,6 +93,8 @@ def test_every_collective_gives_the_reference_result(world_size: int) -> None:
         assert torch.equal(out["reduce_scatter_even"], expected_even)
         assert torch.equal(out["reduce_scatter_uneven"], torch.tensor_split(torch.arange(2 * n + 1.0), n)[r])
         expected_alltoall = torch.cat([torch.full(((k + r) % 2 + 1,), k, dtype=torch.int64) for k in range(n)])
+        assert torch.equal(out["alltoall_buffer"][0], expected_alltoall) and out["alltoall_buffer"][1]  # received there
+        assert torch.equal(out["alltoall_misfit"][0], expected_alltoall) and not out["alltoall_misfit"][1]
         assert torch.equal(out["alltoall"], expected_alltoall)
         assert out["alltoall_even"].tolist() == [100 * k + 2 * r + j for k in range(n) for j in range(2)]
         assert out["object"] == {"from": 0, "list": [1, 2]}

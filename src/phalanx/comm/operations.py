@@ -306,19 +306,22 @@ class Collectives(Agreeing):
 
     @overload
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[False] = ...,
-                 check: bool = ...) -> torch.Tensor: ...
+                 check: bool = ..., buffer: torch.Tensor | None = ...) -> torch.Tensor: ...
 
     @overload
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[True],
-                 check: bool = ...) -> Handle[torch.Tensor]: ...
+                 check: bool = ..., buffer: torch.Tensor | None = ...) -> Handle[torch.Tensor]: ...
 
     @when_open
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = None, *, async_op: bool = False,
-                 check: bool = True) -> torch.Tensor | Handle[torch.Tensor]:
+                 check: bool = True, buffer: torch.Tensor | None = None) -> torch.Tensor | Handle[torch.Tensor]:
         """Send ``splits[r]`` rows of ``tensor`` (in order) to rank ``r``; return what all ranks sent here.
 
         Without ``splits`` dim 0 is divided equally. Received pieces are concatenated in rank order.
-        The rows travel as bytes, so any dtype but quantized ones can.
+        The rows travel as bytes, so any dtype but quantized ones can. ``buffer``: received into (the
+        result is then its memory) where it fits exactly (contiguous, ``tensor``'s dtype and row
+        shape, as many rows as arrive), else into a new tensor: an exchange repeated at the same
+        sizes then allocates (and faults in) nothing.
         """
         world = self._size()
         counts = _alltoall_splits(tensor, splits, world)
@@ -326,15 +329,20 @@ class Collectives(Agreeing):
         self._agree("alltoall", tensor, 0, problem, check, ignore_first_dim=True)
         wire.check_movable(tensor.dtype, "alltoall")
         refuse_scalar(tensor, "alltoall", "whose rows to send")
-        data = wire.to_bytes(tensor.detach(), copy=world == 1)
         if world == 1:
-            return done(wire.from_bytes(data, tensor.dtype, tensor.shape), async_op)
+            if buffer is not None and _fits(buffer, tensor, tensor.shape[0]):
+                return done(buffer.copy_(tensor.detach()), async_op)
+            copied = wire.to_bytes(tensor.detach(), copy=True)
+            return done(wire.from_bytes(copied, tensor.dtype, tensor.shape), async_op)
+        data = wire.to_bytes(tensor.detach(), copy=False)
         sent = torch.tensor(counts, dtype=torch.int64)
         received = torch.empty_like(sent)
         with self.translate_errors("alltoall"):
             dist.all_to_all_single(received, sent, group=self._group(None))
-        output = data.new_empty((int(received.sum()), data.shape[1]))
-        shape = (output.shape[0], *tensor.shape[1:])
+        rows = int(received.sum())
+        fits = buffer is not None and _fits(buffer, tensor, rows)
+        output = wire.to_bytes(buffer, copy=False) if fits else data.new_empty((rows, data.shape[1]))
+        shape = (rows, *tensor.shape[1:])
         return self._launch("alltoall", lambda: dist.all_to_all_single(
             output, data, received.tolist(), counts, group=self._group(data), async_op=True),
             lambda: wire.from_bytes(output, tensor.dtype, shape), async_op)
@@ -475,6 +483,11 @@ def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: 
         return None if rows % world else [rows // world] * world
     counts = [int(s) for s in splits]
     return counts if len(counts) == world and sum(counts) == rows and min(counts) >= 0 else None
+
+
+def _fits(buffer: torch.Tensor, tensor: torch.Tensor, rows: int) -> bool:
+    """Whether ``buffer`` can take ``rows`` rows of ``tensor``'s dtype and row shape as they are."""
+    return buffer.is_contiguous() and buffer.dtype == tensor.dtype and buffer.shape == (rows, *tensor.shape[1:])
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -165,6 +165,8 @@ class BuddyCopies:
 
     def __init__(self) -> None:
         self.slots: list[tuple[int, Holding] | None] = [None, None]  # (version, holding) by version % 2
+        # each slot's memory, (kept and sent, received), reused by the commit two later where sizes agree
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None, None]
         self.buddies: list[int] | None = None  # this generation's buddy of each rank (made at its first commit)
 
     def retire(self) -> None:
@@ -180,23 +182,31 @@ class BuddyCopies:
         entries = _entries(units, state, positions)
         rank, world = runtime.rank(), runtime.size()
         places, size = _packing(entries, rank)
-        sent = torch.empty(size, dtype=torch.uint8)  # this rank's parts, kept as its own copy and sent as they are
-        for entry, (start, stop) in zip(entries, places):
+        slot = version % 2
+        # The slot's commit (two before) is never restored once this one starts: its memory is reused,
+        # the slot emptied first, so that a commit that fails here leaves no half-written holding.
+        self.slots[slot] = None
+        kept, arrived = self.buffers[slot] or (None, None)
+        sent = kept if kept is not None and kept.numel() == size else torch.empty(size, dtype=torch.uint8)
+        for entry, (start, stop) in zip(entries, places):  # this rank's parts, kept as its copy and sent as they are
             sent[start:stop].copy_(_part(entry, units, state).view(torch.uint8))
         parts = {rank: _unpacked(sent, entries, places)}
         faults.point("commit.copies")
+        received = None
         if world > 1:
             if self.buddies is None:
                 self.buddies = _buddies()
             splits = [size if r == self.buddies[rank] else 0 for r in range(world)]
-            received = collectives.alltoall(sent, splits, check=False)  # the wards' bytes, in rank order
+            # the wards' bytes, in rank order
+            received = collectives.alltoall(sent, splits, check=False, buffer=arrived)
             offset = 0
             for ward in (r for r in range(world) if self.buddies[r] == rank):
                 places, size = _packing(entries, ward)
                 parts[ward] = _unpacked(received[offset: offset + size], entries, places)
                 offset += size
         collectives.barrier()
-        self.slots[version % 2] = (version, Holding(entries, parts))
+        self.slots[slot] = (version, Holding(entries, parts))
+        self.buffers[slot] = (sent, received)
 
     def holding(self, version: int) -> Holding | None:
         """The parts of ``version`` this worker holds (its own and its wards'), if it committed it."""
