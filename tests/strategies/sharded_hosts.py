@@ -4,7 +4,8 @@ same weights; rank 0 saves ``{(level, shared_memory): state dict}`` to OUT, and 
 each run reduced and whether it gathered. Levels 1-2 with ``shared_memory=False`` shard across the
 hosts; by default (``"auto"``) they keep one copy per host (Adam at 2 hosts of 2 workers holds no
 more so), level 3 shards across the hosts unless ``shared_memory=True``. Level 2's default trains
-one epoch into CHECKPOINTS, then resumes there for the second.
+one epoch into CHECKPOINTS, then resumes there for the second. Level 2 in reproducible mode trains
+one epoch both ways (keyed ``(2, shared_memory, "reproducible")``): the same bits.
 
 62 samples in global batches of 30 at 4 workers end on a step of 2 samples, which leaves two workers
 without any (level 3 then gathers on a batch of no rows).
@@ -25,17 +26,22 @@ y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
 weights = {}
 runs = [(0, "auto", 2, None), (1, False, 2, None), (2, False, 2, None), (3, "auto", 2, None), (1, "auto", 2, None),
         (2, "auto", 1, sys.argv[2]), (2, "auto", 2, sys.argv[2]), (3, True, 2, None)]
+runs += [(2, False, 1, "reproducible"), (2, "auto", 1, "reproducible")]
 for level, shared_memory, epochs, checkpoints in runs:
+    reproducible = checkpoints == "reproducible"
+    checkpoints = None if reproducible else checkpoints
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     strategy = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory) if level else None
     px.fit(model, optimizer, F.cross_entropy, (x, y), epochs=epochs, global_batch_size=30, clip_grad_norm=0.05,
-           verbose=0, strategy=strategy, checkpoint_dir=checkpoints)
+           verbose=0, strategy=strategy, checkpoint_dir=checkpoints, reproducible=reproducible,
+           micro_batch_size=5 if reproducible else None)
     if strategy is not None:
         print(f"rank {px.rank()} level {level} shared_memory={shared_memory}: {strategy.reduction.name}, "
               f"{strategy.layout}", flush=True)
-    weights[(level, shared_memory)] = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    key = (level, shared_memory, "reproducible") if reproducible else (level, shared_memory)
+    weights[key] = {name: value.detach().clone() for name, value in model.state_dict().items()}
 if px.rank() == 0:
     torch.save(weights, sys.argv[1])

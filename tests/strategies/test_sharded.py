@@ -114,8 +114,9 @@ def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, tw
     hierarchically (shared memory, then the chunks of the other host's ranks over the network) and
     every level all-gathers the same way, level 3 on a worker without samples too (sharded_hosts.py's
     last step). By default levels 1-2 keep the units once per host (holding no more per worker), as
-    ``shared_memory=True`` does at every level: the hosts replicas, nothing is gathered, and a
-    checkpoint written by one replica of each chunk resumes and reads back whole."""
+    ``shared_memory=True`` does at every level: the hosts replicas, nothing is gathered, a
+    checkpoint written by one replica of each chunk resumes and reads back whole, and reproducible
+    mode gives the bits of sharding across the hosts."""
     common = ["--timeout", "60", "-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29533"]
     out, checkpoints = tmp_path / "levels.pt", tmp_path / "checkpoints"
     script = [str(Path(__file__).with_name("sharded_hosts.py")), str(out), str(checkpoints)]
@@ -127,15 +128,18 @@ def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, tw
             torch.testing.assert_close(weights[run][name], value, rtol=1e-5, atol=1e-6, msg=f"{run} {name}")
     said = "".join(stdout for stdout, _ in outputs)
     replicas = "allreduce, sharded step, one copy per host"
-    assert said.count("level 2 shared_memory=False: reduce-scatter to shards, a copy per worker") == 4, said
+    # 4 ranks a run; level 2 runs twice by default (then resumed) and once more each way reproducibly
+    assert said.count("level 2 shared_memory=False: reduce-scatter to shards, a copy per worker") == 8, said
     assert said.count("level 3 shared_memory=auto: reduce-scatter to shards, chunks gathered per block") == 4, said
     assert said.count(f"level 1 shared_memory=auto: {replicas}") == 4, said
-    assert said.count(f"level 2 shared_memory=auto: {replicas}") == 8, said
+    assert said.count(f"level 2 shared_memory=auto: {replicas}") == 12, said
     assert said.count(f"level 3 shared_memory=True: {replicas}") == 4, said
     newest = sorted(checkpoints.glob("checkpoint-*.pt"))[-1]
     whole = px.checkpoint_weights(newest)
     for name, value in weights[(2, "auto")].items():
         assert torch.equal(whole[name], value), name
+    for name, value in weights[(2, False, "reproducible")].items():  # one copy per host or not: the same bits
+        assert torch.equal(weights[(2, "auto", "reproducible")][name], value), name
 
 
 def _every_level(options: dict[str, Any], unsharded: bool, own_copies: bool) -> dict[Any, dict[str, torch.Tensor]]:
