@@ -57,7 +57,8 @@ from phalanx.strategies.shard_layout import Unit, check_stepped, chunk_bounds, l
 LEVELS = (1, 2, 3)
 #: Optimizer steps between an elastic job's commits where the copies are kept: a commit copies each
 #: rank's chunks of the weights and the optimizer state, up to 18 % of a step at 2 workers every step
-#: (bench_elastic_shard.py); every 4 steps 3-5 %, and a death costs at most 3 steps trained again.
+#: (bench_elastic_shard.py); every 4 steps 1-6 % in host memory, 3-12 % to buddies, and a death costs
+#: at most 3 steps trained again.
 COMMIT_EVERY = 4
 
 logger = logging.getLogger(__name__)
