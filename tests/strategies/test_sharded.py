@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.strategies.base import held_bytes
+from phalanx.strategies import shard_copies, sharded
+from phalanx.strategies.base import FitOptions, held_bytes
 from phalanx.train import checkpoint_io
 from tests.cli.test_launcher import run_on_hosts, worker_env
 from tests.harness import run_workers
@@ -337,6 +338,19 @@ def test_a_level_that_does_not_exist_is_refused() -> None:
 def test_a_commit_interval_that_is_not_a_whole_number_of_steps_is_refused(commit_every: Any) -> None:
     with pytest.raises(px.ConfigurationError, match="commit_every"):
         px.Sharded(commit_every=commit_every)
+
+
+def test_an_elastic_jobs_commit_interval_follows_where_the_copies_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every 4 steps with the copies in host memory, every 8 with buddies (each commit also crosses the
+    network), after every step without copies; a chosen interval whatever the copies."""
+    elastic = FitOptions(elastic=True, checkpoint_dir="unused")
+    kept, chosen, none = px.Sharded(level=2), px.Sharded(level=2, commit_every=3), px.Sharded(level=2, copies=False)
+    for strategy in (kept, chosen, none):
+        strategy.check(elastic)
+    for one_host, expected in ((True, sharded.COMMIT_EVERY), (False, sharded.COMMIT_EVERY_TO_BUDDIES)):
+        monkeypatch.setattr(shard_copies, "in_host_memory", lambda: one_host)
+        assert (kept.commit_every, chosen.commit_every, none.commit_every) == (expected, 3, 1)
+    assert (sharded.COMMIT_EVERY, sharded.COMMIT_EVERY_TO_BUDDIES) == (4, 8)
 
 
 class _Lion(torch.optim.Optimizer):

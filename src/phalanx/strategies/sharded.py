@@ -55,11 +55,15 @@ from phalanx.strategies.gathering import Gathering, cut
 from phalanx.strategies.shard_layout import Unit, check_stepped, chunk_bounds, lay_out
 
 LEVELS = (1, 2, 3)
-#: Optimizer steps between an elastic job's commits where the copies are kept: a commit copies each
-#: rank's chunks of the weights and the optimizer state, up to 18 % of a step at 2 workers every step
-#: (bench_elastic_shard.py); every 4 steps 1-6 % in host memory, 3-12 % to buddies, and a death costs
-#: at most 3 steps trained again.
+#: Optimizer steps between an elastic job's commits where the copies are kept in host memory: a
+#: commit copies each rank's chunks of the weights and the optimizer state, up to 18 % of a step at 2
+#: workers every step (bench_elastic_shard.py); every 4 steps 1-6 %, and a death costs at most 3
+#: steps trained again.
 COMMIT_EVERY = 4
+#: The same where buddies keep the copies (the workers span hosts): a commit also sends the rank's
+#: chunks over the network, 31.6 MB at 2 workers on the benchmark's MLP; every 4 steps that added
+#: 8-12 % to a step at 2 workers (3-7 % at 3-4), so every 8 (a death costs at most 7 steps).
+COMMIT_EVERY_TO_BUDDIES = 8
 
 logger = logging.getLogger(__name__)
 
@@ -466,9 +470,10 @@ class Sharded(Strategy):
     every worker is on this host, else in the rank's memory and its buddy's on another host, so that
     a re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits
     none (a re-formed group resumes from the last checkpoint on disk). ``commit_every`` (elastic
-    jobs): optimizer steps between commits, by default :data:`COMMIT_EVERY` where copies are kept
-    (each commit copies the rank's chunks) and 1 where none are; a death costs the steps since the
-    last commit, trained again bitwise alike. Once set up, ``layout`` names where the units live
+    jobs): optimizer steps between commits, by default :data:`COMMIT_EVERY` where copies are kept in
+    host memory, :data:`COMMIT_EVERY_TO_BUDDIES` where buddies keep them (each commit copies the
+    rank's chunks, and sends them to the buddy) and 1 where none are; a death costs the steps since
+    the last commit, trained again bitwise alike. Once set up, ``layout`` names where the units live
     (``"one copy per host"``, ``"one copy on the host"``, ``"chunks gathered per block"`` or ``"a copy
     per worker"``), as rank 0's log says.
     """
@@ -525,8 +530,17 @@ class Sharded(Strategy):
                    "(copies=False), so after a worker is lost the group resumes from the last checkpoint on disk: "
                    "give checkpoint_dir.")
         self.copies = shard_copies.Copies() if options.elastic and kept else None
-        default = COMMIT_EVERY if self.copies is not None else 1
-        self.commit_every = self.chosen_commit_every if self.chosen_commit_every is not None else default
+
+    @property  # type: ignore[override]  # Strategy's is a constant; this one follows the generation
+    def commit_every(self) -> int:
+        """Optimizer steps between an elastic job's commits in the current generation: as chosen, else
+        after every step without copies, every :data:`COMMIT_EVERY` with the copies in host memory and
+        every :data:`COMMIT_EVERY_TO_BUDDIES` with buddies (a re-form may move from one to the other)."""
+        if self.chosen_commit_every is not None:
+            return self.chosen_commit_every
+        if self.copies is None:
+            return 1
+        return COMMIT_EVERY if shard_copies.in_host_memory() else COMMIT_EVERY_TO_BUDDIES
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, ShardedOptimizer]:
         """Lay the parameters out in units, plug the sharded reduction into the engine, and wrap the
