@@ -10,8 +10,8 @@ trained bytes and the whole optimizer state measured (every rank's chunks summed
 sharded): :func:`phalanx.strategies.base.held_per_worker`, with the units in host shared memory
 where every worker is on one CPU host and, between hosts, once per host at the levels where
 px.Sharded keeps them so (:func:`phalanx.strategies.base.one_copy_per_host`; not unless the run
-reduced through shared memory), plus the activations scaled to the layout's batch per worker (the measured forward's
-bytes per sample), plus, for an elastic run, what its commits keep
+reduced through shared memory), plus the activations scaled to the layout's batch per worker (the
+measured forward's bytes per sample), plus, for an elastic run, what its commits keep
 (:func:`phalanx.strategies.base.elastic_copies_per_worker`). A level *fits* where its need at the
 step (parameters, the step's whole gradient buckets, optimizer state, activations, copies) is within
 :data:`HOST_SHARE` of the host's memory divided by the workers on it; the rest is headroom for what

@@ -464,9 +464,10 @@ class Sharded(Strategy):
     reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
     and level 3 has nothing to gather), and on each of several hosts at levels 1 and 2 where a worker
     then holds no more than sharding across the hosts (the hosts replicas of each other; not in
-    elastic jobs); ``True`` does so on several hosts at any level; ``False`` gives each worker its copy (levels 1-2,
-    kept equal by all-gathers) or its chunks (level 3, gathered per block). ``copies`` (elastic jobs): ``"auto"``
-    (or ``True``) commits every rank's chunks where a death does not take them, in host memory when
+    elastic jobs); ``True`` does so on several hosts at any level; ``False`` gives each worker its
+    copy (levels 1-2, kept equal by all-gathers) or its chunks (level 3, gathered per block).
+    ``copies`` (elastic jobs): ``"auto"`` (or ``True``) commits every rank's chunks where a death does
+    not take them, in host memory when
     every worker is on this host, else in the rank's memory and its buddy's on another host, so that
     a re-formed group rebuilds a lost worker's shards without reading the disk; ``False`` commits
     none (a re-formed group resumes from the last checkpoint on disk). ``commit_every`` (elastic
@@ -601,8 +602,8 @@ class Sharded(Strategy):
         hosts = len(host_memory.hosts()) if shared else 1
         if shared and hosts > 1:
             self.layout = "one copy per host"
-            detail = (f"each of {hosts} hosts keeps the units once in its shared memory, its "
-                      f"{runtime.local_size()} workers sharding them; only the gradients' allreduce crosses the network")
+            detail = (f"each of {hosts} hosts keeps the units once in its shared memory, its {runtime.local_size()} "
+                      "workers sharding them; only the gradients' allreduce crosses the network")
         elif shared:
             self.layout = "one copy on the host"
             detail = "the units live once in this host's shared memory, each worker stepping its chunk"
