@@ -467,15 +467,15 @@ class Sharded(Strategy):
     elastic jobs); ``True`` does so on several hosts at any level; ``False`` gives each worker its
     copy (levels 1-2, kept equal by all-gathers) or its chunks (level 3, gathered per block).
     ``copies`` (elastic jobs): ``"auto"`` (or ``True``) commits every rank's chunks where a death does
-    not take them, in host memory when every worker is on this host, else in the rank's memory and
-    its buddy's on another host, so that a re-formed group rebuilds a lost worker's shards without
-    reading the disk; ``False`` commits none (a re-formed group resumes from the last checkpoint on
-    disk). ``commit_every`` (elastic jobs): optimizer steps between commits, by default :data:`COMMIT_EVERY` where copies are kept in
-    host memory, :data:`COMMIT_EVERY_TO_BUDDIES` where buddies keep them (each commit copies the
-    rank's chunks, and sends them to the buddy) and 1 where none are; a death costs the steps since
-    the last commit, trained again bitwise alike. Once set up, ``layout`` names where the units live
-    (``"one copy per host"``, ``"one copy on the host"``, ``"chunks gathered per block"`` or ``"a copy
-    per worker"``), as rank 0's log says.
+    not take them, in host memory when every worker is on this host, else in the rank's memory and its
+    buddy's on another host, so that a re-formed group rebuilds a lost worker's shards without reading
+    the disk; ``False`` commits none (a re-formed group resumes from the last checkpoint on disk).
+    ``commit_every`` (elastic jobs): optimizer steps between commits, by default :data:`COMMIT_EVERY`
+    where copies are kept in host memory, :data:`COMMIT_EVERY_TO_BUDDIES` where buddies keep them (each
+    commit copies the rank's chunks, and sends them to the buddy) and 1 where none are; a death costs
+    the steps since the last commit, trained again bitwise alike. Once set up, ``layout`` names where
+    the units live (``"one copy per host"``, ``"one copy on the host"``, ``"chunks gathered per block"``
+    or ``"a copy per worker"``), as rank 0's log says.
     """
 
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
