@@ -27,6 +27,8 @@ batches), through ``px.fit``:
   diloco100   px.DiLoCo(period=100): the period ``phalanx doctor --bandwidth 0.1`` recommends for this
               model and batch (RESULTS.md), checked here
   streaming10 px.DiLoCo(period=10, fragments=2): Streaming DiLoCo, delay 1 (the default)
+  streaming100 px.DiLoCo(period=100, fragments=4, delay=2): the doctor's period, each quarter of the
+              model exchanged over two inner steps (named only)
 
 Network settings: ``host`` (both workers on this host: phalanx's shared-memory transport),
 ``1gbit`` and ``100mbit`` (each worker in its own network namespace, joined by a veth shaped with
@@ -76,7 +78,8 @@ from typing import Any
 
 from bench_ddp import netns_down, netns_up, start_workers
 
-VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "localsgd50", "diloco10", "diloco50", "diloco100", "streaming10"]
+VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "localsgd50", "diloco10", "diloco50", "diloco100", "streaming10",
+            "streaming100"]
 PERIODS = {"localsgd10": 10, "localsgd50": 50, "diloco10": 10, "diloco50": 50, "diloco100": 100}  # the workers agree after multiples of these
 SETTINGS = {"host": None, "1gbit": "1gbit", "100mbit": "100mbit"}  # name: tbf rate (None: one host)
 VOCAB = 256
@@ -167,6 +170,8 @@ def wrap_variant(name: str, model: Any, topk_ratio: float, outer: tuple[float, f
         return model, px.DiLoCo(period=PERIODS[name], outer_optimizer=outer_sgd)
     if name == "streaming10":
         return model, px.DiLoCo(period=10, fragments=2, outer_optimizer=outer_sgd)
+    if name == "streaming100":
+        return model, px.DiLoCo(period=100, fragments=4, delay=2, outer_optimizer=outer_sgd)
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -178,7 +183,7 @@ def bytes_per_step(name: str, params: int, topk_ratio: float) -> float:
         return 2.0 * params
     if name == "topk":  # fp32 values and int64 indices of the entries kept (per bucket, about the ratio)
         return 12.0 * params * topk_ratio
-    return 4.0 * params / PERIODS.get(name, 10)
+    return 4.0 * params / PERIODS.get(name, 100 if name == "streaming100" else 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "diloco100"], choices=VARIANTS,
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in ("diloco100", "streaming100")], choices=VARIANTS,
                         help="dp is always measured; diloco100 only when named (with --eval-every 100)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per variant (S)")
     parser.add_argument("--eval-every", type=int, default=50,
