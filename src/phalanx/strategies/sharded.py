@@ -657,7 +657,10 @@ class Sharded(Strategy):
             1.0, float(state_per_parameter(optimizer)), self.level, runtime.size(), runtime.local_size())
 
     def memory_needed(self, model: nn.Module, optimizer: Any) -> int:
-        replicas = self._replicas(optimizer) and host_memory.possible(across_hosts=True)
+        """``held_bytes`` over the workers that share the state: the host's with ``shared_memory=True``
+        between hosts, else the job's (one copy per host by default holds no more than that:
+        :func:`one_copy_per_host`, so the figure px.fit's advice names is the one it checks)."""
+        replicas = self.shared_memory is True and host_memory.possible(across_hosts=not self.elastic)
         return held_bytes(model, optimizer, level=self.level,
                           workers=runtime.local_size() if replicas else runtime.size())
 
