@@ -146,15 +146,25 @@ def _shared_memory_and_folds() -> dict:
 
     def counted(self, *args):  # noqa: ANN001, ANN202 - stands in for the method
         exchanged = real_fold(self, *args)
-        with counting:
-            folds["agreed" if exchanged is None else "refused"] += 1
+        if exchanged is not None:
+            with counting:
+                folds["refused"] += 1
         return exchanged
 
     def reduced(self, group, agreement=None):  # noqa: ANN001, ANN202 - stands in for the method
         if agreement is None:  # agreed in a cycle, then reduced together (not a fold)
             with counting:
                 together.append(len(group))
-        return real_reduced(self, group, agreement)
+            return real_reduced(self, group, agreement)
+        record, judge = agreement
+
+        def judged(rows):  # noqa: ANN001, ANN202 - a fold agreed by every rank, counted before its future completes
+            agreed = judge(rows)
+            with counting:
+                folds["agreed"] += 1
+            return agreed
+
+        return real_reduced(self, group, (record, judged))
 
     dist.all_reduce = lambda *args, **kwargs: (through_gloo.append(1), real_allreduce(*args, **kwargs))[1]
     negotiation.Negotiator._folded, negotiation.Negotiator._reduced = counted, reduced
