@@ -26,10 +26,9 @@ y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
 weights = {}
 runs = [(0, "auto", 2, None), (1, False, 2, None), (2, False, 2, None), (3, "auto", 2, None), (1, "auto", 2, None),
         (2, "auto", 1, sys.argv[2]), (2, "auto", 2, sys.argv[2]), (3, True, 2, None)]
-runs += [(2, False, 1, "reproducible"), (2, "auto", 1, "reproducible")]
-for level, shared_memory, epochs, checkpoints in runs:
-    reproducible = checkpoints == "reproducible"
-    checkpoints = None if reproducible else checkpoints
+reproducibly = [(2, False), (2, "auto")]
+for level, shared_memory, epochs, checkpoints, reproducible in [(*run, False) for run in runs] + \
+        [(level, shared_memory, 1, None, True) for level, shared_memory in reproducibly]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 3))
