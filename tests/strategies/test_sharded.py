@@ -116,8 +116,8 @@ def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, tw
     every level all-gathers the same way, level 3 on a worker without samples too (sharded_hosts.py's
     last step). By default levels 1-2 keep the units once per host (holding no more per worker), as
     ``shared_memory=True`` does at every level: the hosts replicas, nothing is gathered, a
-    checkpoint written by one replica of each chunk resumes and reads back whole, and reproducible
-    mode gives the bits of sharding across the hosts."""
+    checkpoint written by one replica of each chunk resumes (there, and at 3 workers of one host at
+    level 3) and reads back whole, and reproducible mode gives the bits of sharding across the hosts."""
     common = ["--timeout", "60", "-n", "2", "--nnodes", "2", "--master-addr", "198.18.0.1", "--master-port", "29533"]
     out, checkpoints = tmp_path / "levels.pt", tmp_path / "checkpoints"
     script = [str(Path(__file__).with_name("sharded_hosts.py")), str(out), str(checkpoints)]
@@ -141,6 +141,21 @@ def test_every_level_across_two_hosts_trains_as_data_parallel(tmp_path: Path, tw
         assert torch.equal(whole[name], value), name
     for name, value in weights[(2, False, "reproducible")].items():  # one copy per host or not: the same bits
         assert torch.equal(weights[(2, "auto", "reproducible")][name], value), name
+    # that checkpoint (one copy per host, 4 workers) goes on at 3 workers on one host, level 3, for a third
+    # epoch: from other initial weights, so that only a resume can end where the straight run does
+    resumed = run_workers(_third_epoch, 3, 3, str(checkpoints), 1, timeout=150)
+    straight = run_workers(_third_epoch, 3, 0, None, 0)[0]
+    for result in resumed:
+        for name, value in straight.items():
+            torch.testing.assert_close(result[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _third_epoch(level: int, checkpoints: str | None, seed: int) -> dict[str, torch.Tensor]:
+    """sharded_hosts.py's model after 3 epochs at ``level``, resumed from ``checkpoints`` if given."""
+    from tests.strategies import sharded_hosts
+
+    model, _ = sharded_hosts.train(level, "auto", 3, checkpoints, seed=seed)
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
 def _every_level(options: dict[str, Any], unsharded: bool, own_copies: bool) -> dict[Any, dict[str, torch.Tensor]]:
