@@ -81,6 +81,8 @@ from bench_ddp import netns_down, netns_up, start_workers
 VARIANTS = ["dp", "dp-bf16", "topk", "localsgd10", "localsgd50", "diloco10", "diloco50", "diloco100", "streaming10",
             "streaming100"]
 PERIODS = {"localsgd10": 10, "localsgd50": 50, "diloco10": 10, "diloco50": 50, "diloco100": 100}  # the workers agree after multiples of these
+STREAMING = {"streaming10": (10, 2, 1), "streaming100": (100, 4, 2)}  # period, fragments, delay
+NAMED_ONLY = ("diloco100", "streaming100")  # run only when --variants names them
 SETTINGS = {"host": None, "1gbit": "1gbit", "100mbit": "100mbit"}  # name: tbf rate (None: one host)
 VOCAB = 256
 TARGET_SPEEDUP, TARGET_LOSS_RATIO = 5.0, 1.03
@@ -168,10 +170,9 @@ def wrap_variant(name: str, model: Any, topk_ratio: float, outer: tuple[float, f
         return model, px.DiLoCo(period=10, outer_optimizer=outer_sgd)
     if name in ("diloco50", "diloco100"):
         return model, px.DiLoCo(period=PERIODS[name], outer_optimizer=outer_sgd)
-    if name == "streaming10":
-        return model, px.DiLoCo(period=10, fragments=2, outer_optimizer=outer_sgd)
-    if name == "streaming100":
-        return model, px.DiLoCo(period=100, fragments=4, delay=2, outer_optimizer=outer_sgd)
+    if name in STREAMING:
+        period, fragments, delay = STREAMING[name]
+        return model, px.DiLoCo(period=period, fragments=fragments, delay=delay, outer_optimizer=outer_sgd)
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -183,7 +184,7 @@ def bytes_per_step(name: str, params: int, topk_ratio: float) -> float:
         return 2.0 * params
     if name == "topk":  # fp32 values and int64 indices of the entries kept (per bucket, about the ratio)
         return 12.0 * params * topk_ratio
-    return 4.0 * params / PERIODS.get(name, 100 if name == "streaming100" else 10)
+    return 4.0 * params / (PERIODS[name] if name in PERIODS else STREAMING[name][0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +317,8 @@ def doctor_train(config_json: str) -> None:
 #: The benchmark's settings as the doctor's layouts: (workers, workers per host, Gbit/s between hosts).
 DOCTOR_LAYOUTS = {"host": (2, 2, None), "1gbit": (2, 1, 1.0), "100mbit": (2, 1, 0.1)}
 #: The variants the doctor predicts, as the schedule of their exchanges (None: gradients every step).
-DOCTOR_VARIANTS = {"dp": None, "diloco10": (10, 1, 0), "diloco50": (50, 1, 0), "streaming10": (10, 2, 1)}
+DOCTOR_VARIANTS = {"dp": None, "diloco10": (10, 1, 0), "diloco50": (50, 1, 0),
+                   "streaming10": STREAMING["streaming10"]}
 
 
 def doctor_check(path: str, args: argparse.Namespace) -> int:
@@ -466,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in ("diloco100", "streaming100")], choices=VARIANTS,
-                        help="dp is always measured; diloco100 only when named (with --eval-every 100)")
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in NAMED_ONLY],
+                        choices=VARIANTS, help="dp is always measured; diloco100 and streaming100 only when named "
+                        "(with --eval-every 100)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per variant (S)")
     parser.add_argument("--eval-every", type=int, default=50,
                         help="steps between validations (E), a multiple of every chosen period (50; 100 with diloco100)")
