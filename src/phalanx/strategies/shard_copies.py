@@ -178,7 +178,8 @@ class BuddyCopies:
                positions: dict[int, int]) -> None:
         """Keep this rank's chunks of ``units`` (weights and ``state``) for ``version``, send them to the
         buddy and keep the wards' (the ranks whose buddy this one is). Collective (an alltoall, then a
-        barrier); where it fails the slot of ``version`` keeps what it held."""
+        barrier); where it fails the slot of ``version`` holds nothing (its commit two before, which no
+        restore reads once this one starts, gave its memory to this one)."""
         entries = _entries(units, state, positions)
         rank, world = runtime.rank(), runtime.size()
         places, size = _packing(entries, rank)
@@ -201,9 +202,9 @@ class BuddyCopies:
             received = collectives.alltoall(sent, splits, check=False, buffer=arrived)
             offset = 0
             for ward in (r for r in range(world) if self.buddies[r] == rank):
-                places, size = _packing(entries, ward)
-                parts[ward] = _unpacked(received[offset: offset + size], entries, places)
-                offset += size
+                ward_places, ward_size = _packing(entries, ward)
+                parts[ward] = _unpacked(received[offset: offset + ward_size], entries, ward_places)
+                offset += ward_size
         collectives.barrier()
         self.slots[slot] = (version, Holding(entries, parts))
         self.buffers[slot] = (sent, received)
