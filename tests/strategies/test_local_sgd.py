@@ -11,6 +11,7 @@ Every scenario but the resume runs in one launch of two workers (``_launch``, sh
 from __future__ import annotations
 
 import functools
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import phalanx as px
 from phalanx import faults, profile
 from phalanx.parallel.clipping import Clipping
 from phalanx.strategies.base import FitOptions
+from phalanx.train import finite
 from tests.elastic import fit_job
 from tests.elastic.launch import launched
 from tests.harness import run_workers
@@ -113,12 +115,69 @@ def _streaming() -> dict[str, Any]:
     return {"record": record, "events": events, "fragments": [f.indices for f in strategy.optimizer.fragments]}
 
 
+class NaNOnRank1(Record):
+    """A Record whose loss on rank 1 at global step ``NAN_STEP`` is NaN."""
+
+    def step_fn(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = super().step_fn(model, batch)
+        return loss * math.nan if px.rank() == 1 and len(self.batches) - 1 == NAN_STEP else loss
+
+
+NAN_STEP = 1  # under STREAMING the workers next meet before global step 3, where fragment 1's exchange merges
+
+
+class CountedAllreduces:
+    """phalanx.train.finite's collectives, counting its allreduces (the non-finite check's flags)."""
+
+    def __init__(self, collectives: Any):
+        self.collectives, self.allreduces = collectives, 0
+
+    def allreduce(self, *args: Any, **kwargs: Any) -> Any:
+        self.allreduces += 1
+        return self.collectives.allreduce(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.collectives, name)
+
+
+def _nonfinite() -> dict[str, Any]:
+    """Streaming DiLoCo without a NaN, counting the non-finite check's allreduces; with a NaN loss on
+    rank 1 under on_nonfinite="raise" (the error) and under "skip" (the run, and the steps skipped)."""
+    counted = finite.collectives = CountedAllreduces(finite.collectives)
+    try:
+        clean = _trained(px.DiLoCo(**STREAMING), epochs=2)
+    finally:
+        finite.collectives = counted.collectives
+    raised = NaNOnRank1()
+    model = _model()
+    try:
+        px.fit(model, _sgd(model), None, _data(), epochs=2, global_batch_size=BATCH, verbose=0,
+               strategy=px.DiLoCo(**STREAMING), step_fn=raised.step_fn, callbacks=[raised])
+        error: px.NonFiniteLossError | None = None
+    except px.NonFiniteLossError as caught:
+        error = caught
+    skipped, model = NaNOnRank1(), _model()
+    skips = []
+
+    class Skips(px.callbacks.Callback):
+        def on_train_end(self, state: Any) -> None:
+            skips.append(state.guard.skipped_steps)
+
+    px.fit(model, _sgd(model), None, _data(), epochs=2, global_batch_size=BATCH, verbose=0,
+           strategy=px.DiLoCo(**STREAMING), step_fn=skipped.step_fn, callbacks=[skipped, Skips()],
+           on_nonfinite="skip")
+    skipped.final = _flat(model)
+    return {"allreduces": counted.allreduces, "clean_steps": len(clean.weights), "raised": raised,
+            "message": str(error) if error else None, "ranks": error.ranks if error else None,
+            "skipped": skipped, "skips": skips}
+
+
 def _everything() -> dict[str, Any]:
     """Every scenario but the resume, on each of the two workers."""
     period_one = px.DiLoCo(period=1, outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0))
     repeated = [_trained(px.DiLoCo(period=3, fragments=2, reduction="bf16"), optimizer=_adam).final for _ in range(2)]
     return {"data_parallel": _trained(None), "period_one": _trained(period_one), "repeated": repeated,
-            "local_sgd": _local_sgd_by_hand(period=3), "streaming": _streaming()}
+            "local_sgd": _local_sgd_by_hand(period=3), "streaming": _streaming(), "nonfinite": _nonfinite()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -272,6 +331,36 @@ def test_streaming_exchanges_overlap_the_next_inner_steps_and_equal_a_reference_
         for step, weights in enumerate([*rank["record"].weights, rank["record"].final]):
             torch.testing.assert_close(weights, expected[step], rtol=1e-5, atol=1e-6)
     assert torch.equal(ranks[0]["record"].final, ranks[1]["record"].final)
+
+
+def test_workers_that_step_on_their_own_check_each_step_alone_and_agree_only_where_they_meet() -> None:
+    """No flag crosses the link every step: over 12 steps of streaming DiLoCo the non-finite check
+    allreduces only before the 5 steps that merge an exchange and at the 2 epochs' ends (12 + 0
+    before). A NaN loss on rank 1 at global step 1 is not applied there (rank 1 takes that step
+    empty) and every rank stops before global step 3, where the workers next meet, naming rank 1
+    and its step."""
+    ranks = [rank["nonfinite"] for rank in _launch()]
+    for rank in ranks:
+        assert rank["clean_steps"] == 12 and rank["allreduces"] == 5 + 2
+        assert rank["ranks"] == [1], rank["message"]
+        assert ("rank 1's loss at global step 1 (epoch 0, its step 1" in rank["message"]
+                and "before global step 3 (epoch 0, its step 3" in rank["message"]), rank["message"]
+        assert len(rank["raised"].weights) == 3 and all(w.isfinite().all() for w in rank["raised"].weights)
+    raised = [rank["raised"].weights for rank in ranks]
+    assert torch.equal(raised[1][1], raised[1][0]) and not torch.equal(raised[0][1], raised[0][0])
+    assert not torch.equal(raised[1][2], raised[1][1])  # the steps after it are rank 1's again
+
+
+def test_under_skip_a_worker_that_steps_on_its_own_skips_only_its_own_step() -> None:
+    """Under on_nonfinite="skip" rank 1 drops its NaN step alone (rank 0's stands), the schedule of
+    exchanges stays the same on both, and the run ends with equal, finite weights."""
+    ranks = [rank["nonfinite"] for rank in _launch()]
+    assert [rank["skips"] for rank in ranks] == [[0], [1]]
+    skipped = [rank["skipped"] for rank in ranks]
+    assert torch.equal(skipped[1].weights[1], skipped[1].weights[0])
+    assert not torch.equal(skipped[0].weights[1], skipped[0].weights[0])
+    assert len(skipped[0].weights) == len(skipped[1].weights) == 12
+    assert torch.equal(skipped[0].final, skipped[1].final) and skipped[0].final.isfinite().all()
 
 
 def _resumed(folder: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ names what an elastic commit holds; ``worker_clipping`` where clipping happens; 
 often the workers communicate (what ``phalanx doctor`` reports, through :func:`announce`);
 ``finish``/``close`` end it cleanly or after a failure. ``asynchronous`` says whether workers run in lockstep;
 ``nonfinite_agreement`` how every rank comes to the same decision about a non-finite step
-(:mod:`phalanx.train.finite`'s ``AGREEMENTS``). :class:`Replicated` (every worker holds
+(:mod:`phalanx.train.finite`'s ``AGREEMENTS``), and ``meets_after_step`` where workers that step on
+their own meet to settle it. :class:`Replicated` (every worker holds
 everything, the default), :class:`~phalanx.strategies.central_storage.CentralStorage` and
 :class:`~phalanx.strategies.parameter_server.ParameterServer` implement it.
 """
@@ -188,6 +189,12 @@ class Strategy(Protocol):
         """How often the workers communicate (by default every step): ``phalanx doctor`` names it and
         weighs the steps that communicate by it."""
         return Exchanges()
+
+    def meets_after_step(self) -> bool:
+        """Whether the optimizer step about to be taken exchanges with the other workers (by default
+        every step does). Workers that step on their own (``nonfinite_agreement = "exchanges"``) carry
+        a non-finite step's verdict to the next step that does, rather than meeting every step."""
+        return True
 
     def finish(self, history: dict[str, Any] | None = None) -> None:
         """End after a finished run; ``history`` is the run's, as a state dict."""

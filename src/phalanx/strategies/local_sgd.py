@@ -54,7 +54,7 @@ class LocalSGD(Strategy):
     the parameters are averaged over the workers every ``period`` steps (see the module's docstring)."""
 
     asynchronous = False
-    nonfinite_agreement = "collective"  # each rank holds its own gradient
+    nonfinite_agreement = "exchanges"  # each rank decides its own steps; the verdict goes with the exchanges
 
     def __init__(self, period: int):
         self.period = _whole("period", period, 1)
@@ -96,6 +96,10 @@ class LocalSGD(Strategy):
     def exchanges(self) -> Exchanges:
         """One exchange every ``period`` steps: the parameters' average."""
         return Exchanges(self.period, what="the parameters, averaged")
+
+    def meets_after_step(self) -> bool:
+        """Whether the step about to be taken completes an exchange (the workers meet there anyway)."""
+        return self.optimizer is None or self.optimizer.merges_in_next_step()
 
     def _wrap(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> LocalSteps:
         return LocalSteps(optimizer, model, self.period)

@@ -98,6 +98,12 @@ class LocalSteps(HeldOptimizer):
             if fragment.started is not None and self.steps - fragment.started >= self.delay:
                 self._merge(fragment)
 
+    def merges_in_next_step(self) -> bool:
+        """Whether the next ``step()`` completes an exchange: the workers meet there."""
+        coming = self.steps + 1
+        return any(fragment.started is not None and coming - fragment.started >= self.delay
+                   or self.delay == 0 and coming % self.period == fragment.offset for fragment in self.fragments)
+
     @torch.no_grad()
     def synchronize(self) -> None:
         """Merge the exchanges in flight and synchronize every fragment that changed since its last

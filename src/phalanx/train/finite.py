@@ -5,9 +5,20 @@ on this rank whether it is finite and, if not, multiplies it by NaN instead of 1
 loss otherwise), so that the gradient is non-finite too even where the loss was only a constant
 offset. After the reduction every rank looks at the gradient it is about to apply: where every
 rank holds the same averaged gradient (:class:`~phalanx.strategies.base.Replicated`, reproducible
-mode) a NaN on any rank reaches every rank's, so all decide alike without a message; elsewhere
-the ranks agree by one allreduce of two flags. Only when a step went wrong do the ranks gather who
-saw a non-finite loss, to say so in one message that every rank raises.
+mode) a NaN on any rank reaches every rank's, so all decide alike without a message; where ranks
+hold different gradients in lockstep (:class:`~phalanx.strategies.central_storage.CentralStorage`)
+they agree by one allreduce of two flags. Only when a step went wrong do the ranks gather who saw a
+non-finite loss, to say so in one message that every rank raises.
+
+Workers that step on their own between exchanges (``px.LocalSGD``, ``px.DiLoCo``: the agreement
+``"exchanges"``) send nothing per step, and a flag's round trip every step would tie them in
+lockstep over the slow link they were chosen for. Each decides its own step: a non-finite one is
+not applied (taken empty, so that the strategy's count of steps, which schedules its exchanges,
+stays the same on every worker). Under ``"skip"`` that is all: the other workers' steps stand.
+Under ``"raise"`` the verdict waits for the next step at which the workers meet anyway (the
+strategy says which: :meth:`~phalanx.strategies.base.Strategy.meets_after_step`), or the epoch's
+end, whichever comes first; there every rank stops alike, before that step, naming the rank and
+step that went wrong first. The weights stay finite meanwhile, since no worker applied its step.
 
 ``on_nonfinite`` chooses what happens then: ``"raise"`` (default) stops with
 :class:`~phalanx.errors.NonFiniteLossError` or :class:`~phalanx.errors.NonFiniteGradientError`
@@ -44,8 +55,9 @@ from phalanx.parallel.clipping import Clipping
 
 POLICIES = ("raise", "skip", "ignore")
 #: How ranks come to the same decision: "gradient" (every rank holds the same reduced gradient),
-#: "collective" (different gradients, one allreduce of flags), "local" (workers that never meet).
-AGREEMENTS = ("gradient", "collective", "local")
+#: "collective" (different gradients, one allreduce of flags), "exchanges" (workers that step on
+#: their own and meet every so many steps), "local" (workers that never meet).
+AGREEMENTS = ("gradient", "collective", "exchanges", "local")
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +78,7 @@ class NonFiniteGuard:
     """Decides, the same way on every rank, whether a step's losses and gradient let it be applied."""
 
     def __init__(self, policy: str = "raise", agreement: str = "gradient", precision: str = "32",
-                 clipping: Clipping | None = None, late: bool = False):
+                 clipping: Clipping | None = None, late: bool = False, meets: Callable[[], bool] = lambda: True):
         if agreement not in AGREEMENTS:
             raise ConfigurationError(f"a strategy's nonfinite_agreement must be one of {list(AGREEMENTS)}, got "
                                      f"{agreement!r}.")
@@ -79,6 +91,10 @@ class NonFiniteGuard:
         # "raise" with every rank holding the same gradient reads the verdict a step late (see the module)
         self.late = late and self.policy == "raise" and agreement == "gradient"
         self._pending: _Verdict | None = None  # the last step's verdict, on its way to the host
+        # "exchanges": whether the step about to be applied meets the other workers, and where this
+        # rank first went non-finite since they last met ("raise"; the others do not know yet)
+        self.meets = meets
+        self._unshared: tuple[str, bool] | None = None  # (position, whether the loss was non-finite)
 
     def begin_step(self, position: str) -> None:
         self.position, self.skipped, self._bad_loss = position, False, None
@@ -107,6 +123,8 @@ class NonFiniteGuard:
             self._pending = _Verdict(self.position, self._flags(params), self._bad_loss)
             return True
         bad_loss, bad_gradient = self._flags(params).tolist()
+        if self.agreement == "exchanges":
+            return self._own_step(bool(bad_loss), bool(bad_gradient))
         if self.agreement == "collective":
             flags = collectives.allreduce(torch.tensor([float(bad_loss), float(bad_gradient)]), "max", check=False)
             bad_loss, bad_gradient = bool(flags[0] > 0), bool(flags[1] > 0)
@@ -115,9 +133,56 @@ class NonFiniteGuard:
         self.fail()
         return False
 
+    @property
+    def steps_on_its_own(self) -> bool:
+        """Whether a step this guard refused is still to be taken, empty, on this rank: workers that
+        step on their own decide alone, and their strategy counts every step (see the module)."""
+        return self.agreement == "exchanges"
+
+    def _own_step(self, bad_loss: bool, bad_gradient: bool) -> bool:
+        """A worker that steps on its own decides its step alone; under ``"raise"`` a non-finite one
+        is held against the next step that meets the other workers, where every rank stops."""
+        if bad_loss or bad_gradient:
+            self.skipped = True
+            if self.policy == "skip":
+                self.skipped_steps += 1
+                logger.warning("phalanx: rank %d skipped its own step at %s (on_nonfinite='skip'): its %s went "
+                               "non-finite (NaN or Inf); the other workers' steps stand, as they step on their own "
+                               "between exchanges", runtime.rank(), self.position, "loss" if bad_loss else "gradient")
+            elif self._unshared is None:
+                self._unshared = (self.position, bad_loss)
+        if self.policy == "raise" and self.meets():
+            self._agree_on_own_steps(f"before {self.position}, which exchanges with the other workers")
+        return not self.skipped
+
+    def _agree_on_own_steps(self, where: str) -> None:
+        """Every rank learns whether any held back a non-finite step (one allreduce), and all raise if so."""
+        mine, self._unshared = self._unshared, None
+        if runtime.size() > 1:
+            flag = collectives.allreduce(torch.tensor([float(mine is not None)]), "max", check=False)
+            if not float(flag) > 0:
+                return
+            reports = collectives.allgather_object(mine, safe=True)
+        elif mine is None:
+            return
+        else:
+            reports = [mine]
+        found = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+        ranks = [rank for rank, (_, bad_loss) in found if bad_loss]
+        first = "; ".join(f"rank {rank}'s {'loss' if bad_loss else 'gradient'} at {position}"
+                          for rank, (position, bad_loss) in found)
+        error = NonFiniteLossError if ranks else NonFiniteGradientError
+        raise error(f"a step went non-finite (NaN or Inf) while the workers stepped on their own (the first of each "
+                    f"rank that had one: {first}). Every "
+                    f"rank stops here, {where}: no worker applied a non-finite step, so the weights (and every "
+                    f"checkpoint) are finite. {self._advice(ranks)}", ranks=ranks)
+
     def settle(self) -> None:
-        """Decide the step whose verdict is still on its way (``late``): raise on every rank if it went
-        non-finite. Every rank settles at the same point of the loop, so they raise alike."""
+        """Decide the step whose verdict is still on its way (``late``), or this rank's own steps not
+        yet agreed on (``"exchanges"``): raise on every rank if one went non-finite. Every rank settles
+        at the same point of the loop (the epoch's end), so they raise alike."""
+        if self.agreement == "exchanges" and self.policy == "raise":
+            self._agree_on_own_steps(f"at the end of the epoch, after {self.position}")
         pending, self._pending = self._pending, None
         if pending is None or not pending.went_wrong():
             return
@@ -127,7 +192,7 @@ class NonFiniteGuard:
     def forget_pending(self) -> None:
         """Drop a verdict still on its way: the loop goes back to a committed state (elastic recovery),
         and the steps after it run again, their losses and gradients checked afresh."""
-        self._pending = None
+        self._pending = self._unshared = None
 
     def after_overflow(self, scale: float) -> None:
         """The float16 scaler skipped this step (on every rank) and its scale is now ``scale``: when it

@@ -200,7 +200,8 @@ class Loop:
         announce(self.strategy)  # names it to phalanx doctor, if the run is measured
         precision = Precision(self.precision, runtime.device())
         guard = finite.NonFiniteGuard(self.on_nonfinite, self.strategy.nonfinite_agreement, self.precision,
-                                      self.clipping, late=finite.reads_late(runtime.device()))
+                                      self.clipping, late=finite.reads_late(runtime.device()),
+                                      meets=self.strategy.meets_after_step)
         clipping = self.strategy.worker_clipping(self.clipping)  # None where the strategy clips elsewhere
         self._manual = ManualStep(precision, clipping, guard)
         micro = self.micro_batch_size

@@ -63,6 +63,8 @@ def train_step(state: TrainState, batch: Any) -> bool:
         counts = _backward_in_chunks(state, batch)
     if not guard.allows_step(_parameters(state.optimizer)):
         state.optimizer.zero_grad(set_to_none=True)
+        if guard.steps_on_its_own:
+            state.optimizer.step()  # empty (no gradient, no change), but counted by the strategy's schedule
         return False
     for outputs, targets, loss, samples in counts:
         _count(state.metrics, outputs, targets, loss, samples)
