@@ -278,3 +278,19 @@ def test_the_option_is_checked() -> None:
     with pytest.raises(px.ConfigurationError, match="on_nonfinite must be one of"):
         px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _data(), epochs=1,
                global_batch_size=GLOBAL_BATCH, on_nonfinite="stop")
+
+
+@pytest.mark.parametrize("entries, bad", [
+    ([3e38, 3e38], False),  # finite entries whose float32 sum overflows: looked at again, and finite
+    ([1.0, math.nan], True), ([1.0, math.inf], True), ([-math.inf, math.inf], True), ([-math.inf, 2.0], True),
+], ids=["overflowing-sum", "nan", "inf", "inf-minus-inf", "minus-inf"])
+def test_the_gradient_check_finds_every_nan_or_inf_and_nothing_else(entries: list[float], bad: bool) -> None:
+    """The check sums each gradient on a CPU; a sum that overflowed is not a non-finite gradient.
+    The other parameters mix dtypes (a float64 gradient beyond float32's range, a bfloat16 one)."""
+    params = [torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(3, dtype=torch.bfloat16)]
+    params[0].grad = torch.tensor(entries)
+    params[1].grad = torch.tensor([1e300], dtype=torch.float64)
+    params[2].grad = torch.ones(3, dtype=torch.bfloat16)
+    guard = finite.NonFiniteGuard("skip")
+    guard.begin_step("a test's step")
+    assert guard.allows_step(params) is not bad and guard.skipped is bad

@@ -222,8 +222,8 @@ class NonFiniteGuard:
     def _flags(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         """(this rank saw a non-finite loss, the gradient it holds is not finite), on the device."""
         grads = [_values(p.grad.detach()) for p in params if p.grad is not None and p.grad.numel()]
-        if grads:  # each tensor's extremes: NaN or Inf exactly where it holds one
-            bad_gradient = _extremes(grads).isfinite().all().logical_not()
+        if grads:
+            bad_gradient = _any_nonfinite(grads)
         else:
             bad_gradient = torch.zeros((), dtype=torch.bool)
         bad_loss = (self._bad_loss.reshape(()).to(bad_gradient.device) if self._bad_loss is not None
@@ -282,13 +282,22 @@ def _what(ranks: list[int]) -> str:
     return f"the loss went non-finite (NaN or Inf) on {named}"
 
 
-def _extremes(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Each gradient's extremes, in one tensor: a GPU takes the largest magnitudes in one fused
-    kernel; on a CPU that kernel is 10x slower than each tensor's min and max (1 ms against 11 for
-    3 M entries), which carry NaN and Inf just as well."""
+def _any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of ``grads`` holds NaN or Inf, as a 0-d bool tensor on their device.
+
+    A GPU takes every tensor's largest magnitude in one fused kernel. On a CPU that kernel is 10x
+    slower than a tensor's min and max, and its sum is cheaper still (0.16 ms against 0.40 for the 30
+    gradients of bench_slow_link.py's model): a sum is finite only where every entry is (NaN and Inf
+    never sum back to a finite number), so a finite sum settles a tensor, and only a sum that went
+    non-finite (a NaN or Inf, or finite entries that overflowed) is looked at again, entry by entry."""
     if grads[0].is_cuda:
-        return torch.stack(torch._foreach_norm(grads, math.inf))
-    return torch.stack([torch.stack(torch.aminmax(grad)).to(torch.float32) for grad in grads])
+        return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not()
+    sums = [grad.sum() for grad in grads]
+    if len({total.dtype for total in sums}) > 1:
+        sums = [total.to(torch.float64) for total in sums]  # exact for every float dtype: no new overflow
+    if bool(torch.stack(sums).isfinite().all()):
+        return torch.zeros((), dtype=torch.bool)
+    return torch.tensor(not all(bool(torch.stack(torch.aminmax(grad)).isfinite().all()) for grad in grads))
 
 
 def _values(gradient: torch.Tensor) -> torch.Tensor:
