@@ -28,7 +28,7 @@ from phalanx.parallel.clipping import Clipping
 from phalanx.strategies.base import FitOptions
 from phalanx.train import finite
 from tests.elastic import fit_job
-from tests.elastic.launch import launched
+from tests.elastic.launch import free_port, launched
 from tests.harness import run_workers
 
 SAMPLES, BATCH, LR = 48, 8, 0.1  # 6 steps an epoch; each of the 2 workers takes 4 samples of each batch
@@ -459,3 +459,23 @@ def test_a_worker_killed_between_outer_steps_costs_the_job_nothing_but_that_step
         job.output()
     assert job.step() == fit_job.EPOCHS * fit_job.SAMPLES // fit_job.GLOBAL_BATCH
     assert len(job.result()["digest"]) == 64
+
+
+def test_a_worker_that_joins_takes_a_peers_state_the_outer_state_with_it(tmp_path: Path) -> None:
+    """Two workers of streaming DiLoCo hold after step 10 for a third, started later from other initial
+    weights: it joins at a step boundary and takes a peer's state (the step count that schedules the
+    exchanges, the outer optimizer's state, the parameters of the last outer step), and the three
+    train to the end. A joiner that kept its own step count would exchange at other steps than its
+    peers, and the job would fail."""
+    port = str(free_port())
+    common = ["--nnodes", "1:2", "--master-port", port, "--timeout", "30"]
+    hold = ["--diloco", "--seed-by-rank", "--hold", f"10:{tmp_path / 'joining'}"]
+    with launched(tmp_path, ["-n", "2", *common], hold, job=Path(fit_job.__file__)) as job:
+        job.wait_for_step(10)
+        with launched(tmp_path, ["-n", "1", "--node-rank", "1", *common],
+                      [*hold, "--started-file", str(tmp_path / "joining")], job=Path(fit_job.__file__),
+                      name="node1") as joiner:
+            assert job.wait(timeout=120) == 0, job.output()
+            assert joiner.wait(timeout=120) == 0, joiner.output()
+    assert "joined worker" in job.stderr, job.output()
+    assert job.size() == 3 and job.step() == fit_job.EPOCHS * fit_job.SAMPLES // fit_job.GLOBAL_BATCH
