@@ -172,12 +172,32 @@ def _nonfinite() -> dict[str, Any]:
             "skipped": skipped, "skips": skips}
 
 
+def _desynchronized() -> str | None:
+    """A loop of one's own in which rank 1 loads a state two steps ahead of rank 0's: the message."""
+    strategy, model = px.DiLoCo(period=4, fragments=2), _model()
+    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+    if px.rank() == 1:
+        state = optimizer.state_dict()
+        optimizer.load_state_dict({**state, "local_steps": {**state["local_steps"], "steps": 2}})
+    try:
+        for inputs, targets in px.data.DistributedLoader(_data(), global_batch_size=BATCH):
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    except px.CollectiveMismatchError as error:
+        return str(error)
+    finally:
+        strategy.close()
+    return None
+
+
 def _everything() -> dict[str, Any]:
     """Every scenario but the resume, on each of the two workers."""
     period_one = px.DiLoCo(period=1, outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0))
     repeated = [_trained(px.DiLoCo(period=3, fragments=2, reduction="bf16"), optimizer=_adam).final for _ in range(2)]
     return {"data_parallel": _trained(None), "period_one": _trained(period_one), "repeated": repeated,
-            "local_sgd": _local_sgd_by_hand(period=3), "streaming": _streaming(), "nonfinite": _nonfinite()}
+            "local_sgd": _local_sgd_by_hand(period=3), "streaming": _streaming(), "nonfinite": _nonfinite(),
+            "desynchronized": _desynchronized()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -361,6 +381,15 @@ def test_under_skip_a_worker_that_steps_on_its_own_skips_only_its_own_step() -> 
     assert not torch.equal(skipped[0].weights[1], skipped[0].weights[0])
     assert len(skipped[0].weights) == len(skipped[1].weights) == 12
     assert torch.equal(skipped[0].final, skipped[1].final) and skipped[0].final.isfinite().all()
+
+
+def test_workers_whose_states_disagree_on_the_schedule_get_an_error_on_every_rank_not_an_abort() -> None:
+    """Rank 1 loads a state two steps ahead: its first exchange (fragment 0's, after its count reaches
+    4) meets rank 0's first (fragment 1's, after step 2), and both ranks raise the same error naming
+    each rank's, instead of exchanging buffers of different sizes (Gloo aborts the process on those)."""
+    messages = [rank["desynchronized"] for rank in _launch()]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert "rank 0 after step 2 (fragment 1), rank 1 after step 4 (fragment 0)" in messages[0], messages[0]
 
 
 def _resumed(folder: str) -> dict[str, Any]:

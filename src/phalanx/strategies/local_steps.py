@@ -30,7 +30,7 @@ import torch
 
 from phalanx import profile, tensor_pieces
 from phalanx.comm import collectives, runtime
-from phalanx.errors import CheckpointError, ConfigurationError
+from phalanx.errors import CheckpointError, CollectiveMismatchError, ConfigurationError
 from phalanx.parallel import reductions
 from phalanx.parallel.buckets import Bucket, plan_buckets
 from phalanx.parallel.data_parallel import DataParallel
@@ -118,6 +118,7 @@ class LocalSteps(HeldOptimizer):
             self._merge(fragment)
 
     def _start(self, fragment: Fragment) -> None:
+        self._agree_on_schedule(fragment)
         share = 1.0 / runtime.size()
         for bucket in fragment.buckets:
             for slot, index in enumerate(bucket.param_indices):
@@ -126,6 +127,21 @@ class LocalSteps(HeldOptimizer):
         fragment.started = self.steps
         profile.mark("outer_start", fragment=fragment.index, step=self.steps,
                      bytes=sum(bucket.flat.numel() * bucket.flat.element_size() for bucket in fragment.buckets))
+
+    def _agree_on_schedule(self, fragment: Fragment) -> None:
+        """Every rank starts the same fragment's exchange at the same step count, or every rank raises:
+        ranks whose states differ (a loop of your own that loaded another optimizer state on some rank)
+        would otherwise exchange buffers of different sizes, which Gloo answers by aborting the
+        process. One allgather of two numbers an exchange, where the workers meet anyway."""
+        if runtime.size() == 1:
+            return
+        seen = collectives.allgather(torch.tensor([self.steps, fragment.index]), check=False).view(-1, 2).tolist()
+        if any(entry != seen[0] for entry in seen):
+            at = ", ".join(f"rank {rank} after step {steps} (fragment {index})" for rank, (steps, index) in enumerate(seen))
+            raise CollectiveMismatchError(
+                f"{self.strategy}'s workers disagree on when to exchange: {at}. Every worker must hold the same "
+                "step count and schedule: load the same optimizer state on every rank (each rank's own "
+                "state_dict() differs only in its weights and inner state, not in its step count), or none.")
 
     def _merge(self, fragment: Fragment) -> None:
         began = time.perf_counter()
