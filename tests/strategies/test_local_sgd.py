@@ -364,7 +364,8 @@ def test_workers_that_step_on_their_own_check_each_step_alone_and_agree_only_whe
         assert rank["clean_steps"] == 12 and rank["allreduces"] == 5 + 2
         assert rank["ranks"] == [1], rank["message"]
         assert ("rank 1's loss at global step 1 (epoch 0, its step 1" in rank["message"]
-                and "before global step 3 (epoch 0, its step 3" in rank["message"]), rank["message"]
+                and "before global step 3 (epoch 0, its step 3" in rank["message"]
+                and "on_nonfinite='skip' skips such steps on the rank that had one" in rank["message"]), rank["message"]
         assert len(rank["raised"].weights) == 3 and all(w.isfinite().all() for w in rank["raised"].weights)
     raised = [rank["raised"].weights for rank in ranks]
     assert torch.equal(raised[1][1], raised[1][0]) and not torch.equal(raised[0][1], raised[0][0])

@@ -251,7 +251,8 @@ class NonFiniteGuard:
                         "learning rate")
         if ranks:
             tips.append(f"look for NaN or Inf in the inputs or targets of rank {ranks[0]}'s batch")
-        tips.append("on_nonfinite='skip' skips such steps on every rank, on_nonfinite='ignore' trains on as before")
+        skipped = "on the rank that had one" if self.agreement == "exchanges" else "on every rank"
+        tips.append(f"on_nonfinite='skip' skips such steps {skipped}, on_nonfinite='ignore' trains on as before")
         return "What to do: " + "; ".join(tips) + "."
 
 
