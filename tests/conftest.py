@@ -47,13 +47,17 @@ def gpu_count() -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the ``cuda`` tests where no GPU is visible; the others run the same everywhere. Under
     pytest-xdist (``-n N --dist loadgroup``), the tests on the session's Ray cluster share one worker,
-    which starts that cluster once; they are the suite's longest (about 250 s together), so they go
-    first, while the other workers share the rest (last, they ran alone for minutes)."""
+    which starts that cluster once; they are the suite's longest (about 150 s together), so they go
+    first, while the other workers share the rest (last, they ran alone for minutes). The next
+    longest, 5-30 s each (jobs on two network namespaces, the examples), follow them, so that the
+    suite ends on short tests and no worker waits long for the last one."""
     if config.pluginmanager.hasplugin("xdist"):
         on_ray = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
         for item in on_ray:
             item.add_marker(pytest.mark.xdist_group("ray"))
-        items[:] = on_ray + [item for item in items if item not in on_ray]
+        long = [item for item in items if item not in on_ray and
+                ("two_hosts" in getattr(item, "fixturenames", ()) or item.path.name == "test_examples.py")]
+        items[:] = on_ray + long + [item for item in items if item not in on_ray and item not in long]
     cuda = [item for item in items if item.get_closest_marker("cuda")]
     if cuda and gpu_count() == 0:
         for item in cuda:
