@@ -87,13 +87,18 @@ def forks() -> Iterator[ForkServer]:
         server.close()
 
 
-def test_a_worker_is_forked_in_well_under_a_fifth_of_a_second(tmp_path: Path, forks: ForkServer) -> None:
-    script = write_script(tmp_path, "quick.py", "import time, torch\nprint(time.monotonic())\n")
+def test_a_worker_is_forked_with_torch_already_imported_in_well_under_a_second(tmp_path: Path,
+                                                                               forks: ForkServer) -> None:
+    """The script finds torch imported before its first line (a fresh python takes about 2.5 s of CPU
+    to import it here); started to printing takes 0.02-0.05 s on a quiet machine, and the bound leaves
+    room for a busy one (0.24 s seen beside the rest of the suite)."""
+    script = write_script(tmp_path, "quick.py", "import sys, time\nprint(time.monotonic(), 'torch' in sys.modules)\n")
     started = time.monotonic()
     process = forks.spawn([str(script)], forks.environment, str(tmp_path))
-    printed = float(process.stdout.read().decode().strip())
+    printed, imported = process.stdout.read().decode().split()
     assert process.wait(30) == 0 and process.exited_at is not None
-    assert printed - started < 0.2, printed - started  # its script runs, torch already imported
+    assert imported == "True"
+    assert float(printed) - started < 1.0, float(printed) - started
     assert started < process.exited_at <= time.monotonic()  # recorded when the server reaped it
 
 
