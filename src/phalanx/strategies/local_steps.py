@@ -92,17 +92,26 @@ class LocalSteps(HeldOptimizer):
         self.optimizer.step()
         self.steps += 1
         for fragment in self.fragments:
-            if self.steps % self.period == fragment.offset:
+            if self._starts_after(fragment, self.steps):
                 self._start(fragment)
         for fragment in self.fragments:
-            if fragment.started is not None and self.steps - fragment.started >= self.delay:
+            if self._merges_after(fragment, self.steps):
                 self._merge(fragment)
 
+    def _starts_after(self, fragment: Fragment, step: int) -> bool:
+        """Whether ``fragment``'s exchange starts after inner step ``step`` (counted from 1)."""
+        return step % self.period == fragment.offset
+
+    def _merges_after(self, fragment: Fragment, step: int) -> bool:
+        """Whether ``fragment``'s exchange in flight is merged after inner step ``step``."""
+        return fragment.started is not None and step - fragment.started >= self.delay
+
     def merges_in_next_step(self) -> bool:
-        """Whether the next ``step()`` completes an exchange: the workers meet there."""
+        """Whether the next ``step()`` completes an exchange (one in flight, or one it starts without
+        delay): the workers meet there."""
         coming = self.steps + 1
-        return any(fragment.started is not None and coming - fragment.started >= self.delay
-                   or self.delay == 0 and coming % self.period == fragment.offset for fragment in self.fragments)
+        return any(self._merges_after(fragment, coming) or self.delay == 0 and self._starts_after(fragment, coming)
+                   for fragment in self.fragments)
 
     @torch.no_grad()
     def synchronize(self) -> None:

@@ -158,16 +158,14 @@ class NonFiniteGuard:
     def _agree_on_own_steps(self, where: str) -> None:
         """Every rank learns whether any held back a non-finite step (one allreduce), and all raise if so."""
         mine, self._unshared = self._unshared, None
+        reports = [mine]
         if runtime.size() > 1:
             flag = collectives.allreduce(torch.tensor([float(mine is not None)]), "max", check=False)
-            if not float(flag) > 0:
-                return
-            reports = collectives.allgather_object(mine, safe=True)
-        elif mine is None:
-            return
-        else:
-            reports = [mine]
+            if float(flag) > 0:
+                reports = collectives.allgather_object(mine, safe=True)
         found = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+        if not found:
+            return
         ranks = [rank for rank, (_, bad_loss) in found if bad_loss]
         first = "; ".join(f"rank {rank}'s {'loss' if bad_loss else 'gradient'} at {position}"
                           for rank, (position, bad_loss) in found)

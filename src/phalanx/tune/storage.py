@@ -40,21 +40,20 @@ def open_storage(url: str) -> BaseStorage:
         except (ImportError, ModuleNotFoundError) as error:
             raise ConfigurationError(f"--storage {url}: its database driver is not installed ({error}); for "
                                      "PostgreSQL `pip install psycopg2-binary`.") from None
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as error:
+        except Exception as error:  # noqa: BLE001 - SQLAlchemy raises many kinds
             if not _created_meanwhile(error):
                 raise ConfigurationError(f"--storage {url}: cannot open it ({type(error).__name__}: {error}).") from None
             time.sleep(0.2 + random.random() * (attempt + 1))
-        except Exception as error:  # noqa: BLE001 - SQLAlchemy raises many kinds
-            raise ConfigurationError(f"--storage {url}: cannot open it ({type(error).__name__}: {error}).") from None
     raise ConfigurationError(f"--storage {url}: its tables could not be created after {SCHEMA_ATTEMPTS} attempts.")
 
 
-def _created_meanwhile(error: sqlalchemy.exc.DBAPIError) -> bool:
+def _created_meanwhile(error: Exception) -> bool:
     """Whether ``error`` says that another process created the same tables at the same moment: a
     unique key of the catalogue taken (an IntegrityError), or PostgreSQL's "relation already exists"
     (a ProgrammingError, SQLSTATE 42P07, or 42710 for another object), depending on which step of
     the creation the two met in."""
-    return isinstance(error, sqlalchemy.exc.IntegrityError) or getattr(error.orig, "pgcode", None) in DUPLICATES
+    return isinstance(error, sqlalchemy.exc.IntegrityError) or (
+        isinstance(error, sqlalchemy.exc.ProgrammingError) and getattr(error.orig, "pgcode", None) in DUPLICATES)
 
 
 def load_study(url: str, name: str, pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
