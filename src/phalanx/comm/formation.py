@@ -311,6 +311,9 @@ def _communicator_for_answer(client: ElasticClient, answer: dict[str, Any], info
         faults.point("reform.connect")
     client.track(generation, {}, forming_since=socket_inodes())
     forming = own_connection(store)  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
+    if client.broken(generation):  # lost while it connected: the cut hit a connect attempt, not the retry that won
+        raise CollectiveTimeoutError(f"forming generation {generation} of the elastic group failed: a member was "
+                                     "lost while the group connected.")
     made = create_group(placed, timeout_s, backend, device, keys=keys, store=store, generation=generation,
                         transport=transport, rendezvous=forming)
     client.track(generation, made.sockets if backend == "gloo" else {})
