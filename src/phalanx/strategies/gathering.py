@@ -8,9 +8,10 @@ the whole forward and backward.
 
 Between uses a block's flat buffers hold no memory; each rank keeps only its chunks (the
 optimizer's parameters). Forward: a block's pre-forward hook waits for its gather (launched when
-the block before it started, in the order the first forward took) and its forward hook frees it.
-Backward: the first gradient to reach the block's outputs gathers it again (and launches the
-gather of the block before it); once each of its parameters has its gradient the block is freed,
+the block before it started, in the order the first forward took) and its forward hook frees it,
+except the last block's where a backward follows, which starts with it. Backward: the first
+gradient to reach the block's outputs gathers it again (and launches the gather of the block
+before it); once each of its parameters has its gradient the block is freed,
 and whatever is still gathered when the backward ends is freed then. Every rank runs the same
 forward, so every rank issues the same gathers in the same order.
 
@@ -119,6 +120,7 @@ class Gathering:
     def __init__(self, model: nn.Module, blocks: list[Block], whole_between_steps: bool = False):
         self.model, self.blocks, self.whole_between_steps = model, blocks, whole_between_steps
         self._order: list[Block] = []  # the first forward's order: what to prefetch next
+        self._order_complete = False  # a backward ended: the first forward's order is whole
         self._ending_queued = False
         self._handles: list[RemovableHandle] = []
         for block in blocks:
@@ -203,9 +205,11 @@ class Gathering:
     def _after_forward(self, block: Block) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             outputs = [t for t in _tensors(output) if t.requires_grad]
-            if outputs and torch.is_grad_enabled():
+            backward_follows = bool(outputs) and torch.is_grad_enabled()
+            if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(outputs, self._before_backward(block), mode="any")
-            if not self.whole_between_steps:
+            last = self._order_complete and block is self._order[-1]
+            if not self.whole_between_steps and not (last and backward_follows):
                 block.free()
 
         return hook
@@ -232,7 +236,7 @@ class Gathering:
         return hook
 
     def _end_backward(self) -> None:
-        self._ending_queued = False
+        self._ending_queued, self._order_complete = False, True
         self.free_all()
 
     def _neighbour(self, block: Block, step: int) -> Block | None:

@@ -1,0 +1,73 @@
+"""Level 3's gathering, in one process: which blocks are gathered when, and how often a step gathers.
+
+A world of one gathers by copying each block's chunk; what the hooks decide (what to gather, keep and
+free) is the same at any world size, and equal gradients show nothing was read freed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phalanx.strategies import gathering
+from phalanx.strategies.gathering import Gathering, cut
+
+LAYERS = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(LAYERS)))
+
+
+def _gathering(model: nn.Module) -> Gathering:
+    group_of = {id(p): 0 for p in model.parameters()}
+    return Gathering(model, cut(model, threshold_mb=0.001, group_of=group_of))
+
+
+def _counting_gathers(monkeypatch) -> list[str]:
+    started: list[str] = []
+    launch = gathering.Block.launch
+
+    def counted(block: gathering.Block) -> None:
+        if not block.gathered and not block._in_flight:
+            started.append(block.name)
+        launch(block)
+
+    monkeypatch.setattr(gathering.Block, "launch", counted)
+    return started
+
+
+def test_a_step_gathers_each_block_once_for_the_forward_and_all_but_the_last_again_for_the_backward(
+        monkeypatch) -> None:
+    model, reference = _model(), _model()
+    hooks = _gathering(model)
+    assert [block.name for block in hooks.blocks] == [str(i) for i in range(LAYERS)]
+    started = _counting_gathers(monkeypatch)
+    x = torch.randn(5, 8)
+    for step in range(3):
+        started.clear()
+        model.zero_grad()
+        output = model(x)
+        if step > 0:  # the first forward's order known: the last block stays gathered for the backward
+            assert [block.gathered for block in hooks.blocks] == [False] * (LAYERS - 1) + [True]
+        output.square().sum().backward()
+        assert not any(block.gathered for block in hooks.blocks)  # freed as the backward ends
+        expected_backward = LAYERS if step == 0 else LAYERS - 1
+        assert len(started) == LAYERS + expected_backward, started
+        reference.zero_grad()
+        reference(x).square().sum().backward()
+        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+        hooks.after_step()
+
+
+def test_a_forward_without_a_backward_keeps_nothing_gathered(monkeypatch) -> None:
+    model = _model()
+    hooks = _gathering(model)
+    x = torch.randn(5, 8)
+    model(x).sum().backward()  # the order is known
+    hooks.after_step()
+    with torch.no_grad():
+        model(x)
+    assert not any(block.gathered for block in hooks.blocks)
