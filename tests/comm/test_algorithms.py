@@ -137,3 +137,29 @@ def _links_of_two_generations() -> tuple[bool, int, bool, int]:
 
 def test_a_new_group_starts_without_the_old_groups_measured_link() -> None:
     assert run_workers(_links_of_two_generations, 2) == [(True, 1, False, 0)] * 2
+
+
+def _ring_reduce_scatters() -> dict:
+    import torch.distributed as dist
+
+    from phalanx.comm import algorithms
+
+    out = {}
+    for dtype in (torch.float64, torch.int64, torch.float32):
+        for numel in (0, 1, 7, 1001):
+            for op in ("sum", "max", "product"):
+                rows = _input(px.rank(), numel * px.size(), dtype).view(px.size(), numel).clone()
+                out[(dtype, numel, op)] = algorithms.reduce_scatter(list(rows.unbind(0)), op, dist.group.WORLD).clone()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_ring_reduce_scatter_gives_each_rank_its_reduced_chunk(world_size: int) -> None:
+    """The cross-host step of the shared-memory reduce-scatter: rank r ends with chunk r reduced."""
+    results = run_workers(_ring_reduce_scatters, world_size)
+    for (dtype, numel, op), _ in results[0].items():
+        expected = _reference(world_size, numel * world_size, dtype, op).view(world_size, numel)
+        for rank in range(world_size):
+            got = results[rank][(dtype, numel, op)]
+            assert got.dtype == dtype and got.shape == (numel,)
+            torch.testing.assert_close(got.double(), expected[rank], rtol=1e-5, atol=1e-5, msg=str((dtype, numel, op)))

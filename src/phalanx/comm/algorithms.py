@@ -58,6 +58,21 @@ def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGr
     run(flat, combiner(op), dist.get_rank(group), size, group)
 
 
+def reduce_scatter(chunks: list[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Reduce each of ``chunks`` (one per rank of ``group``, 1-D, as long as each other) over the group
+    around a ring, and return this rank's, reduced in place: ``p - 1`` steps of one chunk each way,
+    the bytes of a reduce-scatter (Gloo's reduce-scatter moves those of a whole allreduce)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    combine = combiner(op)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    scratch = torch.empty_like(chunks[rank]) if size > 1 else chunks[rank]
+    for step in range(size - 1):  # chunk r starts on rank r + 1 and ends complete on rank r
+        receiving = chunks[(rank - step - 2) % size]
+        _exchange(chunks[(rank - step - 1) % size], right, scratch, left, group)
+        combine(receiving, scratch)
+    return chunks[rank]
+
+
 class MessageGroup:
     """Phalanx's algorithms over a Gloo group of their own, for :class:`~phalanx.comm.ordered.OrderedExecutor`.
 

@@ -346,57 +346,67 @@ class SharedMemoryGroup:
 
         In rounds of a slot: every rank copies a piece of each chunk into its slot, placed by local
         index, and arrives; each rank reduces its own piece over the slots (one host), or the pieces of
-        its local index on every host, which a reduce-scatter among those ranks (the cross group)
-        finishes: so only the chunks of the other hosts leave a host, (H-1)/H of the tensor, half of
-        what an allreduce sends. A second arrival lets the slots be written again."""
+        its local index on every host; a second arrival lets the slots be written again. Across hosts
+        a ring reduce-scatter among the ranks of that local index (the cross group) then finishes the
+        whole chunk at once, keeping the link busy: only the chunks of the other hosts leave a host,
+        (H-1)/H of the tensor, half of what an allreduce (and Gloo's reduce-scatter) sends."""
         world, host_count = len(self._position), len(self.hosts)
         capacity = max(self.slot_bytes // flat.element_size() // world, 1)
         offsets = list(itertools.accumulate(lengths, initial=0))
         combine, combine_into = algorithms.combiner(op), algorithms.combiner_into(op)
         mine, longest = lengths[self.job_rank], max(lengths, default=0)
+        apart = host_count > 1
+        # across hosts: this host's sums of this local index's chunk of every host, and a round's of them
+        across = torch.empty((host_count, longest) if apart else (0,), dtype=flat.dtype)
+        partial = torch.empty(host_count * min(capacity, longest) if apart else 0, dtype=flat.dtype)
         for start in range(0, longest, capacity):
             stride = min(capacity, longest - start)
             base = self._write_set()
             self._copy_pieces_in(self._slot(base + self.rank, flat.dtype), flat, offsets, lengths, start, stride)
             self._arrive_and_wait("copying in")
             slots = [self._slot(base + local, flat.dtype) for local in range(self.size)]
-            count = min(mine - start, stride)
-            if host_count == 1:
+            if not apart:
+                count = min(mine - start, stride)
                 if count > 0:
                     at = self._position[self.job_rank] * stride
                     _reduce_into(slots, slice(at, at + count), into[start: start + count], combine, combine_into)
             else:
-                at = self.rank * host_count * stride
-                partial = torch.empty(host_count * stride, dtype=flat.dtype)
-                _reduce_into(slots, slice(at, at + host_count * stride), partial, combine, combine_into)
-                received = torch.empty(stride, dtype=flat.dtype)
-                dist.reduce_scatter_tensor(received, partial, algorithms.BACKEND_OPS[op], group=self.cross)
-                if count > 0:
-                    into[start: start + count].copy_(received[:count])
+                at, summed = self.rank * host_count * stride, partial[: host_count * stride]
+                _reduce_into(slots, slice(at, at + host_count * stride), summed, combine, combine_into)
+                across[:, start: start + stride].copy_(summed.view(host_count, stride))
             self._arrive_and_wait("reducing")
+        if apart and longest > 0:
+            into[:mine].copy_(algorithms.reduce_scatter(list(across.unbind(0)), op, self.cross)[:mine])
 
     def allgather_(self, flat: torch.Tensor, lengths: Sequence[int], out: torch.Tensor) -> None:
         """Every rank's 1-D ``flat`` (rank ``r``'s ``lengths[r]`` long, the same ``lengths`` on every
         rank) into ``out``, in rank order.
 
-        In rounds of a slot: across hosts each rank first gathers the pieces of its local index on every
-        host (the cross group; only this host's chunks leave it, once each) into its slot; then every
-        rank copies every slot's pieces out, and arrives once more before the slots are written again."""
+        In rounds of a slot: each rank copies its piece into its slot (across hosts: the pieces of its
+        local index on every host, gathered among those ranks, the cross group; only this host's chunks
+        leave it, once each) and arrives; every rank copies every slot's pieces out, and arrives once
+        more before the slots are written again. The next round's pieces cross the link while this
+        round's are copied within the host."""
         world, host_count = len(self._position), len(self.hosts)
         capacity = max(self.slot_bytes // flat.element_size() // world, 1)
         offsets = list(itertools.accumulate(lengths, initial=0))
         mine, longest = lengths[self.job_rank], max(lengths, default=0)
-        for start in range(0, longest, capacity):
+        rounds = range(0, longest, capacity)
+        crossing = self._gather_across(flat, mine, rounds[0], min(capacity, longest)) if host_count > 1 and rounds else None
+        for start in rounds:
             stride = min(capacity, longest - start)
             base = self._write_set()
             slot = self._slot(base + self.rank, flat.dtype)
-            piece = flat[start: start + max(min(mine - start, stride), 0)]
-            if host_count == 1:
+            if crossing is None:
+                piece = flat[start: start + max(min(mine - start, stride), 0)]
                 slot[: piece.numel()].copy_(piece)
             else:
-                padded = piece if piece.numel() == stride else \
-                    torch.cat([piece, piece.new_zeros(stride - piece.numel())])
-                dist.all_gather(list(slot[: host_count * stride].split(stride)), padded, group=self.cross)
+                rows, work = crossing
+                following = start + capacity
+                crossing = self._gather_across(flat, mine, following, min(capacity, longest - following)) \
+                    if following < longest else None
+                work.wait()
+                slot[: host_count * stride].view(host_count, stride).copy_(rows)
             self._arrive_and_wait("copying in")
             for local, members in enumerate(self._members):
                 source = self._slot(base + local, flat.dtype)
@@ -406,6 +416,14 @@ class SharedMemoryGroup:
                         out[offsets[rank] + start: offsets[rank] + start + count].copy_(
                             source[index * stride: index * stride + count])
             self._arrive_and_wait("copying out")
+
+    def _gather_across(self, flat: torch.Tensor, mine: int, start: int, stride: int) -> tuple[torch.Tensor, dist.Work]:
+        """Start gathering the pieces ``[start, start + stride)`` of this local index's chunk on every
+        host (zeros past a chunk's end) into rows of a new tensor, one per host; the rows and the work."""
+        piece = flat[start: start + max(min(mine - start, stride), 0)]
+        padded = piece if piece.numel() == stride else torch.cat([piece, piece.new_zeros(stride - piece.numel())])
+        rows = torch.empty(len(self.hosts), stride, dtype=flat.dtype)
+        return rows, dist.all_gather(list(rows.unbind(0)), padded, group=self.cross, async_op=True)
 
     def _write_set(self) -> int:
         """The first slot of the set the next arrival's writers use: two ranks alternate two sets by the
