@@ -6,6 +6,8 @@ free) is the same at any world size, and equal gradients show nothing was read f
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -20,9 +22,10 @@ def _model() -> nn.Module:
     return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(LAYERS)))
 
 
-def _gathering(model: nn.Module) -> Gathering:
+def _gathering(model: nn.Module, threshold_mb: float = 0.0004) -> Gathering:
+    """Blocks of at most 419 bytes: each of _model()'s layers (288 bytes) alone."""
     group_of = {id(p): 0 for p in model.parameters()}
-    return Gathering(model, cut(model, threshold_mb=0.001, group_of=group_of))
+    return Gathering(model, cut(model, threshold_mb=threshold_mb, group_of=group_of))
 
 
 def _counting_gathers(monkeypatch) -> list[str]:
@@ -71,3 +74,33 @@ def test_a_forward_without_a_backward_keeps_nothing_gathered(monkeypatch) -> Non
     with torch.no_grad():
         model(x)
     assert not any(block.gathered for block in hooks.blocks)
+
+
+def test_consecutive_small_siblings_share_a_block_and_train_as_the_plain_model(monkeypatch) -> None:
+    """A convolution and its batch norm, a run of small layers: one gather for the run, up to the
+    threshold; a module over it is cut among its children, its own parameters a block of their own."""
+    torch.manual_seed(0)
+    big = nn.Linear(8, 32)  # 1152 bytes: over the threshold alone
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), big, nn.Tanh(),
+                          nn.Linear(32, 4), nn.BatchNorm1d(4))
+    reference = copy.deepcopy(model)
+    hooks = _gathering(model, threshold_mb=0.0006)  # 629 bytes: 288 + 64 + 288 would be 640
+    assert [block.name for block in hooks.blocks] == ["0 .. 1", "3", "4", "6 .. 7"]
+    assert [len(block.modules) for block in hooks.blocks] == [2, 1, 1, 2]
+    started = _counting_gathers(monkeypatch)
+    still_gathered: list[list[str]] = []  # as block "4"'s weight gets its gradient
+    model[4].weight.register_post_accumulate_grad_hook(
+        lambda _: still_gathered.append([block.name for block in hooks.blocks if block.gathered]))
+    x = torch.randn(6, 8)
+    for _ in range(2):
+        started.clear()
+        model.zero_grad()
+        reference.zero_grad()
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        assert not any(block.gathered for block in hooks.blocks)
+        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    assert started == ["0 .. 1", "3", "4", "6 .. 7", "4", "3", "0 .. 1"]  # the last block kept for the backward
+    assert len(still_gathered) == 2 and not any("6 .. 7" in names for names in still_gathered)  # freed once
+    # both its modules' gradients were in, not at the backward's end

@@ -1,18 +1,19 @@
 """Level 3 of ``px.Sharded``: each block's parameters gathered for its forward and backward, freed after.
 
-A *block* is a module whose parameters are gathered together. The model is cut top down: a module
-of at most ``threshold_mb`` of parameters (or without children) is one block; a larger one gives
-each child its own cut and keeps the parameters it holds directly in a block gathered around its
-whole forward. A parameter two blocks share (tied embeddings) joins the root's block, gathered for
-the whole forward and backward.
+A *block* is a module, or a run of sibling modules, whose parameters are gathered together. The
+model is cut top down: a module of at most ``threshold_mb`` of parameters (or without children) is
+one block; a larger one gives each child its own cut, consecutive children that fit the threshold
+together sharing a block, and keeps the parameters it holds directly in a block gathered around
+its whole forward. A parameter two blocks share (tied embeddings) joins the root's block, gathered
+for the whole forward and backward.
 
 Between uses a block's flat buffers hold no memory; each rank keeps only its chunks (the
-optimizer's parameters). Forward: a block's pre-forward hook waits for its gather (launched when
-the block before it started, in the order the first forward took) and its forward hook frees it,
-except the last block's where a backward follows, which starts with it. Backward: the first
-gradient to reach the block's outputs gathers it again (and launches the gather of the block
-before it); once each of its parameters has its gradient the block is freed,
-and whatever is still gathered when the backward ends is freed then. Every rank runs the same
+optimizer's parameters). Forward: the pre-forward hook of each of a block's modules waits for its
+gather (launched when the block before it started, in the order the first forward took) and the
+forward hook of its last module frees it, except the last block's where a backward follows, which
+starts with it. Backward: the first gradient to reach the outputs of one of the block's modules
+gathers it again (and launches the gather of the block before it); once each of its parameters has
+its gradient the block is freed, and whatever is still gathered when the backward ends is freed then. Every rank runs the same
 forward, so every rank issues the same gathers in the same order.
 
 Reproducible mode runs a different number of micro-batches on each rank, so there the gathers
@@ -23,7 +24,7 @@ for the step (``whole_between_steps``), and only the optimizer state and gradien
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -36,12 +37,14 @@ logger = logging.getLogger(__name__)
 
 
 class Block:
-    """One module's parameters (those no smaller block holds), as units gathered and freed together."""
+    """The parameters of one module, or of consecutive sibling modules that fit the threshold together
+    (those no smaller block holds), as units gathered and freed together."""
 
-    def __init__(self, module: nn.Module, name: str, units: list[Unit]):
-        self.module, self.name, self.units = module, name, units
+    def __init__(self, modules: list[nn.Module], name: str, units: list[Unit]):
+        self.modules, self.name, self.units = modules, name, units
         self.gathered = True  # laid out whole; freed once the gathering starts
         self._in_flight: list[Any] = []
+        self.in_backward = False  # a gradient reached one of its modules' outputs in this backward
         self.remaining = 0  # parameters still waiting for their gradient in this backward
 
     @property
@@ -79,39 +82,69 @@ class Block:
 
 
 def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list[Block]:
-    """The model's blocks, in registration order (roughly the forward's), every trained parameter in one."""
+    """The model's blocks, in registration order (roughly the forward's), every trained parameter in one.
+
+    A module within the threshold is gathered whole, and so are consecutive siblings that fit it
+    together (a convolution and its batch norm, a run of small layers): one gather instead of one per
+    module, each a round trip between hosts. A larger module is cut among its children."""
     limit = threshold_mb * 2**20
     owners: dict[int, list[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(module_name)
-    chosen: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+    chosen: list[tuple[list[str], list[nn.Module], list[nn.Parameter]]] = []
     taken: set[int] = set()
 
-    def size(module: nn.Module) -> int:
-        return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    def size(params: Iterable[nn.Parameter]) -> int:
+        return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+    def take(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        fresh = [p for p in params if p.requires_grad and id(p) not in taken and len(owners[id(p)]) == 1]
+        taken.update(id(p) for p in fresh)
+        return fresh
 
     def visit(name: str, module: nn.Module) -> None:
-        children = list(module.named_children())
-        whole = size(module) <= limit or not children
-        own = module.parameters() if whole else module.parameters(recurse=False)
-        params = [p for p in own if p.requires_grad and id(p) not in taken and len(owners[id(p)]) == 1]
-        taken.update(id(p) for p in params)
-        if params:
-            chosen.append((name, module, params))
-        if not whole:
-            for child_name, child in children:
-                visit(f"{name}.{child_name}" if name else child_name, child)
+        children = [(f"{name}.{child}" if name else child, sub) for child, sub in module.named_children()]
+        if size(module.parameters()) <= limit or not children:
+            if params := take(module.parameters()):
+                chosen.append(([name], [module], params))
+            return
+        if params := take(module.parameters(recurse=False)):
+            chosen.append(([name], [module], params))
+        run: tuple[list[str], list[nn.Module], list[nn.Parameter]] = ([], [], [])
+        for child_name, child in children:
+            if size(child.parameters()) > limit:
+                if run[2]:
+                    chosen.append(run)
+                run = ([], [], [])
+                visit(child_name, child)
+                continue
+            params = take(child.parameters())
+            if not params:
+                continue  # an activation, a frozen layer: the run goes on past it
+            if run[2] and size(run[2]) + size(params) > limit:
+                chosen.append(run)
+                run = ([], [], [])
+            run[0].append(child_name)
+            run[1].append(child)
+            run[2].extend(params)
+        if run[2]:
+            chosen.append(run)
 
     visit("", model)
     shared = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     if shared:  # tied parameters: gathered for the whole forward, with the root's own
-        root = [entry for entry in chosen if entry[1] is model]
+        root = [entry for entry in chosen if entry[1] == [model]]
         params = (root[0][2] if root else []) + shared
-        chosen = [entry for entry in chosen if entry[1] is not model]
-        chosen.insert(0, ("", model, params))
-    return [Block(module, name or "(the model itself)", units_of(params, group_of, apart=True))
-            for name, module, params in chosen]
+        chosen = [entry for entry in chosen if entry[1] != [model]]
+        chosen.insert(0, ([""], [model], params))
+    return [Block(modules, _block_name(names), units_of(params, group_of, apart=True))
+            for names, modules, params in chosen]
+
+
+def _block_name(names: list[str]) -> str:
+    first = names[0] or "(the model itself)"
+    return first if len(names) == 1 else f"{first} .. {names[-1]}"
 
 
 class Gathering:
@@ -124,8 +157,9 @@ class Gathering:
         self._ending_queued = False
         self._handles: list[RemovableHandle] = []
         for block in blocks:
-            self._handles.append(block.module.register_forward_pre_hook(self._before_forward(block)))
-            self._handles.append(block.module.register_forward_hook(self._after_forward(block)))
+            for module in block.modules:
+                self._handles.append(module.register_forward_pre_hook(self._before_forward(block)))
+                self._handles.append(module.register_forward_hook(self._after_forward(block, module is block.modules[-1])))
             for unit in block.units:
                 for param in unit.params:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_done(block)))
@@ -202,14 +236,16 @@ class Gathering:
 
         return hook
 
-    def _after_forward(self, block: Block) -> Callable[..., None]:
+    def _after_forward(self, block: Block, closes: bool) -> Callable[..., None]:
+        """After each of the block's modules: its outputs lead the backward to the block; after the
+        last of them (``closes``) the block is freed."""
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             outputs = [t for t in _tensors(output) if t.requires_grad]
             backward_follows = bool(outputs) and torch.is_grad_enabled()
             if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(outputs, self._before_backward(block), mode="any")
             last = self._order_complete and block is self._order[-1]
-            if not self.whole_between_steps and not (last and backward_follows):
+            if closes and not self.whole_between_steps and not (last and backward_follows):
                 block.free()
 
         return hook
@@ -219,7 +255,8 @@ class Gathering:
             if not self._ending_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
                 self._ending_queued = True
-            block.remaining = block.trained
+            if not block.in_backward:  # the first of its modules the backward reaches
+                block.in_backward, block.remaining = True, block.trained
             block.wait()
             previous = self._neighbour(block, -1)
             if previous is not None:
@@ -237,6 +274,8 @@ class Gathering:
 
     def _end_backward(self) -> None:
         self._ending_queued, self._order_complete = False, True
+        for block in self.blocks:
+            block.in_backward = False
         self.free_all()
 
     def _neighbour(self, block: Block, step: int) -> Block | None:
