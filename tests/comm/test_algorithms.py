@@ -146,20 +146,24 @@ def _ring_reduce_scatters() -> dict:
 
     out = {}
     for dtype in (torch.float64, torch.int64, torch.float32):
-        for numel in (0, 1, 7, 1001):
+        for numel in (0, 1, 7, 1001, 1003):  # 1003: chunks of unequal lengths (torch.tensor_split's)
             for op in ("sum", "max", "product"):
-                rows = _input(px.rank(), numel * px.size(), dtype).view(px.size(), numel).clone()
-                out[(dtype, numel, op)] = algorithms.reduce_scatter(list(rows.unbind(0)), op, dist.group.WORLD).clone()
+                whole = _input(px.rank(), numel, dtype)
+                chunks = whole.tensor_split(px.size())
+                got = algorithms.reduce_scatter(chunks, op, dist.group.WORLD)
+                assert torch.equal(whole, _input(px.rank(), numel, dtype)), "the input was changed"
+                out[(dtype, numel, op)] = got
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_ring_reduce_scatter_gives_each_rank_its_reduced_chunk(world_size: int) -> None:
-    """The cross-host step of the shared-memory reduce-scatter: rank r ends with chunk r reduced."""
+    """The cross-host step of the shared-memory reduce-scatter, and the CPU reduce-scatter between
+    hosts: rank r ends with chunk r reduced (torch.tensor_split's chunks), the input untouched."""
     results = run_workers(_ring_reduce_scatters, world_size)
     for (dtype, numel, op), _ in results[0].items():
-        expected = _reference(world_size, numel * world_size, dtype, op).view(world_size, numel)
+        expected = _reference(world_size, numel, dtype, op).tensor_split(world_size)
         for rank in range(world_size):
             got = results[rank][(dtype, numel, op)]
-            assert got.dtype == dtype and got.shape == (numel,)
+            assert got.dtype == dtype and got.shape == expected[rank].shape
             torch.testing.assert_close(got.double(), expected[rank], rtol=1e-5, atol=1e-5, msg=str((dtype, numel, op)))

@@ -17,7 +17,7 @@ copied to the others. Each function reduces a flat, contiguous CPU tensor in pla
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,19 +58,25 @@ def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGr
     run(flat, combiner(op), dist.get_rank(group), size, group)
 
 
-def reduce_scatter(chunks: list[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Reduce each of ``chunks`` (one per rank of ``group``, 1-D, as long as each other) over the group
-    around a ring, and return this rank's, reduced in place: ``p - 1`` steps of one chunk each way,
-    the bytes of a reduce-scatter (Gloo's reduce-scatter moves those of a whole allreduce)."""
+def reduce_scatter(chunks: Sequence[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Reduce each of ``chunks`` (one per rank of ``group``, 1-D) over the group around a ring and
+    return this rank's, reduced (a new tensor; ``chunks`` are only read): ``p - 1`` steps of one chunk
+    each way, a reduce-scatter's bytes (Gloo's reduce-scatter moves those of a whole allreduce)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    combine = combiner(op)
+    if size == 1:
+        return chunks[0].clone()
+    combine_into = combiner_into(op)
     right, left = (rank + 1) % size, (rank - 1) % size
-    scratch = torch.empty_like(chunks[rank]) if size > 1 else chunks[rank]
+    longest = max(chunk.numel() for chunk in chunks)
+    partial, scratch = chunks[0].new_empty(longest), chunks[0].new_empty(longest)
+    sending = chunks[left]
     for step in range(size - 1):  # chunk r starts on rank r + 1 and ends complete on rank r
-        receiving = chunks[(rank - step - 2) % size]
-        _exchange(chunks[(rank - step - 1) % size], right, scratch, left, group)
-        combine(receiving, scratch)
-    return chunks[rank]
+        index = (rank - step - 2) % size
+        incoming = scratch[: chunks[index].numel()]
+        _exchange(sending, right, incoming, left, group)
+        sending = partial[: chunks[index].numel()]
+        combine_into(chunks[index], incoming, sending)
+    return sending
 
 
 class MessageGroup:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import joining, objects, shm, wire
+from phalanx.comm import algorithms, joining, objects, shm, wire
 from phalanx.comm.agreement import BAD_SPLITS, Agreeing, problem_code, read, reduction_detail, refuse_scalar
 from phalanx.comm.handles import Handle, done
 from phalanx.comm.ordered import OrderedExecutor
@@ -297,6 +297,11 @@ class Collectives(Agreeing):
             flat, counts = data.contiguous().view(-1), [chunk.numel() for chunk in chunks]
             work = lambda: shared.group.reduce_scatter_(flat, counts, plan.op, received.view(-1))  # noqa: E731
             return self._on(shared, "reduce_scatter (shared memory)", work, lambda _: finish(received), async_op)
+        if not data.is_cuda and not self._scoped():  # Gloo's own moves an allreduce's bytes: a ring moves half
+            ring = self.message_executor()
+            pieces = [chunk.reshape(-1) for chunk in chunks]
+            work = lambda: received.view(-1).copy_(algorithms.reduce_scatter(pieces, plan.op, ring.group.group))  # noqa: E731
+            return self._on(ring, "reduce_scatter (ring)", work, lambda _: finish(received), async_op)
         reduce_op = REDUCE_OPS[plan.op]
         if all(chunk.shape == received.shape for chunk in chunks):
             start = lambda: _reduce_scatter_single(received, data, reduce_op, group=self._group(data), async_op=True)  # noqa: E731
