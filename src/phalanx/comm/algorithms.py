@@ -58,6 +58,18 @@ def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGr
     run(flat, combiner(op), dist.get_rank(group), size, group)
 
 
+def allgather(mine: torch.Tensor, pieces: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Every rank's piece into ``pieces`` (one per rank of ``group``, rank ``r``'s as long as its
+    ``mine``; this rank's gets a copy of ``mine``) around a ring: ``p - 1`` steps, each sending the
+    piece received in the step before. Point-to-point messages keep one link full where Gloo's
+    all-gather does not (21 MB between two hosts at 1 Gbit/s: 88 against 117-141 ms)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces[rank].copy_(mine)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        _exchange(pieces[(rank - step) % size], right, pieces[(rank - step - 1) % size], left, group)
+
+
 def reduce_scatter(chunks: Sequence[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Reduce each of ``chunks`` (one per rank of ``group``, 1-D) over the group around a ring and
     return this rank's, reduced (a new tensor; ``chunks`` are only read): ``p - 1`` steps of one chunk

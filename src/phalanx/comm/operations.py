@@ -247,6 +247,12 @@ class Collectives(Agreeing):
         shared = self.shared_memory
         if shared is not None and not tensor.is_cuda and not self._scoped():
             return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op)
+        if not tensor.is_cuda and not self._scoped():  # one link kept full, as Gloo's own does not
+            ring, whole = self.message_executor(), data.new_empty((sum(lengths), data.shape[1]))
+            rows = list(whole.split(list(lengths)))
+            work = lambda: algorithms.allgather(data, rows, ring.group.group)  # noqa: E731
+            return self._on(ring, "allgather (ring)", work, lambda _: wire.from_bytes(whole, tensor.dtype, shape),
+                            async_op)
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
         finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
