@@ -10,8 +10,8 @@ for the whole forward and backward.
 Between uses a block's flat buffers hold no memory; each rank keeps only its chunks (the
 optimizer's parameters). Forward: the pre-forward hook of each of a block's modules waits for its
 gather (launched when the block before it started, in the order the first forward took) and the
-forward hook of its last module frees it, except the last block's where a backward follows, which
-starts with it. Backward: the first gradient to reach the outputs of one of the block's modules
+forward hook of its last module frees it, except the last two blocks' where a backward follows,
+which starts with them. Backward: the first gradient to reach the outputs of one of the block's modules
 gathers it again (and launches the gather of the block before it); once each of its parameters has
 its gradient the block is freed, and whatever is still gathered when the backward ends is freed then. Every rank runs the same
 forward, so every rank issues the same gathers in the same order.
@@ -34,6 +34,11 @@ from phalanx.comm import collectives, runtime
 from phalanx.strategies.shard_layout import Unit, units_of
 
 logger = logging.getLogger(__name__)
+
+#: The forward's last blocks stay gathered for the backward, which starts with them: no gather to
+#: wait for as it starts (the last block is often a small head, too short to hide the next one's),
+#: and no more gathered at once than while a block computes with the next one prefetched.
+KEPT_FOR_BACKWARD = 2
 
 
 class Block:
@@ -244,8 +249,8 @@ class Gathering:
             backward_follows = bool(outputs) and torch.is_grad_enabled()
             if backward_follows:
                 torch.autograd.graph.register_multi_grad_hook(outputs, self._before_backward(block), mode="any")
-            last = self._order_complete and block is self._order[-1]
-            if closes and not self.whole_between_steps and not (last and backward_follows):
+            kept = self._order_complete and any(block is end for end in self._order[-KEPT_FOR_BACKWARD:])
+            if closes and not self.whole_between_steps and not (kept and backward_follows):
                 block.free()
 
         return hook
