@@ -38,6 +38,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _NO_DATA = torch.empty(0)  # the record of an operation that carries no tensor (a barrier, a join)
 
 
+#: A CPU allgather whose longest piece is at least this large (and that shared memory does not carry)
+#: runs phalanx's ring of point-to-point messages, which keeps one link full where Gloo's all-gather
+#: does not (4 MB a rank between two hosts at 1 Gbit/s: 35 against 39-47 ms); smaller ones, bound
+#: by latency, stay in Gloo's own threads, beside the ring's executor (measured: benchmarks/RESULTS.md).
+RING_ALLGATHER_BYTES = 1 << 20
+
 class Collectives(Agreeing):
     """The collective operations of one generation's :class:`~phalanx.comm.communicator.Communicator`.
 
@@ -247,7 +253,7 @@ class Collectives(Agreeing):
         shared = self.shared_memory
         if shared is not None and not tensor.is_cuda and not self._scoped():
             return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op)
-        if not tensor.is_cuda and not self._scoped():  # one link kept full, as Gloo's own does not
+        if not tensor.is_cuda and not self._scoped() and max(lengths) * data.shape[1] >= RING_ALLGATHER_BYTES:
             ring, whole = self.message_executor(), data.new_empty((sum(lengths), data.shape[1]))
             rows = list(whole.split(list(lengths)))
             work = lambda: algorithms.allgather(data, rows, ring.group.group)  # noqa: E731
