@@ -40,8 +40,9 @@ _NO_DATA = torch.empty(0)  # the record of an operation that carries no tensor (
 
 #: A CPU allgather whose longest piece is at least this large (and that shared memory does not carry)
 #: runs phalanx's ring of point-to-point messages, which keeps one link full where Gloo's all-gather
-#: does not (4 MB a rank between two hosts at 1 Gbit/s: 35 against 39-47 ms); smaller ones, bound
-#: by latency, stay in Gloo's own threads, beside the ring's executor (measured: benchmarks/RESULTS.md).
+#: does not (10.5 MB a rank between two hosts at 1 Gbit/s: 88 against 117-141 ms; 2 MB: 17 against
+#: 23 ms); smaller ones, bound by latency, stay in Gloo's own threads beside the ring's executor
+#: (measured: benchmarks/RESULTS.md, "Level 3 between two hosts").
 RING_ALLGATHER_BYTES = 1 << 20
 
 class Collectives(Agreeing):
