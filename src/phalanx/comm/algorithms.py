@@ -1,4 +1,4 @@
-"""Allreduce algorithms of phalanx's own, over ``torch.distributed`` point-to-point messages.
+"""Collective algorithms of phalanx's own, over ``torch.distributed`` point-to-point messages.
 
 ``torch.distributed`` offers no per-call choice of algorithm (Gloo always runs its ring; NCCL
 chooses internally), so these are built from ``isend``/``irecv``:
@@ -13,6 +13,10 @@ chooses internally), so these are built from ``isend``/``irecv``:
 
 Every rank ends with the same bits: each element is combined on one rank, in one order, and
 copied to the others. Each function reduces a flat, contiguous CPU tensor in place.
+
+Besides the allreduces, a ring reduce-scatter and a ring all-gather (:func:`reduce_scatter`,
+:func:`allgather`): Gloo's reduce-scatter moves an allreduce's bytes, and its all-gather does not
+keep one link between hosts full, where these move what the collective needs at the link's rate.
 """
 
 from __future__ import annotations

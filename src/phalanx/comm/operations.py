@@ -45,6 +45,7 @@ _NO_DATA = torch.empty(0)  # the record of an operation that carries no tensor (
 #: (measured: benchmarks/RESULTS.md, "Level 3 between two hosts").
 RING_ALLGATHER_BYTES = 1 << 20
 
+
 class Collectives(Agreeing):
     """The collective operations of one generation's :class:`~phalanx.comm.communicator.Communicator`.
 
