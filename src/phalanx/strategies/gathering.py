@@ -11,10 +11,11 @@ Between uses a block's flat buffers hold no memory; each rank keeps only its chu
 optimizer's parameters). Forward: the pre-forward hook of each of a block's modules waits for its
 gather (launched when the block before it started, in the order the first forward took) and the
 forward hook of its last module frees it, except the last two blocks' where a backward follows,
-which starts with them. Backward: the first gradient to reach the outputs of one of the block's modules
-gathers it again (and launches the gather of the block before it); once each of its parameters has
-its gradient the block is freed, and whatever is still gathered when the backward ends is freed then. Every rank runs the same
-forward, so every rank issues the same gathers in the same order.
+which starts with them. Backward: the first gradient to reach the outputs of one of the block's
+modules gathers it again (and launches the gather of the block before it); once each of its
+parameters has its gradient the block is freed, and whatever is still gathered when the backward
+ends is freed then. Every rank runs the same forward, so every rank issues the same gathers in the
+same order.
 
 Reproducible mode runs a different number of micro-batches on each rank, so there the gathers
 cannot follow the passes: the parameters are gathered whole after each optimizer step and kept
@@ -163,8 +164,9 @@ class Gathering:
         self._handles: list[RemovableHandle] = []
         for block in blocks:
             for module in block.modules:
+                closes = module is block.modules[-1]
                 self._handles.append(module.register_forward_pre_hook(self._before_forward(block)))
-                self._handles.append(module.register_forward_hook(self._after_forward(block, module is block.modules[-1])))
+                self._handles.append(module.register_forward_hook(self._after_forward(block, closes)))
             for unit in block.units:
                 for param in unit.params:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_done(block)))
