@@ -25,7 +25,7 @@ from tests.cli.test_launcher import LAUNCH_TIMEOUT_S, phalanx_command, worker_en
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc are Linux's here")
 
 WHAT_A_WORKER_SEES = """\
-    import gc, json, os, random, sys, threading
+    import gc, json, os, random, sys, threading, time
     preloaded = "phalanx.train.loop" in sys.modules
     collected = len(gc.get_objects())
     import numpy as np
@@ -41,8 +41,13 @@ WHAT_A_WORKER_SEES = """\
         "preloaded": preloaded, "collected": collected,
         "rank": os.environ["RANK"], "cwd": os.getcwd(), "argv": sys.argv, "name": __name__,
     }
-    print("SEEN " + json.dumps(seen))
-    threading.Thread(target=lambda: print("a thread joined before exit")).start()
+    print("SEEN " + json.dumps(seen), flush=True)
+    threading.Thread(target=lambda: print("a thread joined before exit", flush=True)).start()
+    open(f"printed-{os.environ['RANK']}", "w").close()
+    if os.environ["RANK"] == "1":  # its exit(3) stops rank 0 (as torchrun's would): only once rank 0 printed
+        deadline = time.monotonic() + 60
+        while not os.path.exists("printed-0") and time.monotonic() < deadline:
+            time.sleep(0.01)
     sys.exit(int(os.environ["RANK"]) * 3)
 """
 
