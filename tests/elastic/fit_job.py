@@ -37,7 +37,7 @@ class Progress:
         if state.global_step in self.holds:  # once: a resume from a checkpoint passes the step again
             from job import hold  # beside this script
 
-            hold(self.holds.pop(state.global_step), px.elastic.membership().generation)
+            hold(self.holds.pop(state.global_step), px.elastic.membership())
 
 
 def digest(state: dict) -> str:

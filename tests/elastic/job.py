@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.atomic import write_text_atomically
+from phalanx.comm.membership import Membership
 
 torch.set_num_threads(1)
 
@@ -69,16 +70,18 @@ def refuses(communicator: object) -> bool:
     return False
 
 
-def hold(path: str, generation: int, timeout: float = 60.0) -> None:
+def hold(path: str, view: Membership, timeout: float = 60.0) -> None:
     """Wait for the test's file; when a joiner wrote it, also until the coordinator asks this generation
-    to end for it, so that it joins at the next commit whatever the load."""
+    to end for it, so that it joins at the next commit whatever the load. Where the joiner asked early
+    enough to join at the commit just made, this generation is the one formed for it: nothing to wait
+    for (waiting for its end would hold the job until the timeout)."""
     from phalanx.comm import runtime
 
     deadline = time.monotonic() + timeout
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if os.path.exists(path) and Path(path).read_text() == "join":
-        while runtime.generation_ending(generation) is None and time.monotonic() < deadline:
+    if os.path.exists(path) and Path(path).read_text() == "join" and not view.joined:
+        while runtime.generation_ending(view.generation) is None and time.monotonic() < deadline:
             time.sleep(0.02)
 
 
@@ -165,7 +168,7 @@ def main() -> None:
                         handle.write(f"{state.step} {view.generation} {view.size}")
                     os.replace(args.progress + ".tmp", args.progress)
                 if state.step in holds:
-                    hold(holds[state.step], view.generation)
+                    hold(holds[state.step], view)
         return state.step
 
     if px.rank() == args.freeze_rank:
