@@ -392,7 +392,9 @@ class SharedMemoryGroup:
         offsets = list(itertools.accumulate(lengths, initial=0))
         mine, longest = lengths[self.job_rank], max(lengths, default=0)
         rounds = range(0, longest, capacity)
-        crossing = self._gather_across(flat, mine, rounds[0], min(capacity, longest)) if host_count > 1 and rounds else None
+        crossing = None  # across hosts: the round's pieces of every host, gathered one round ahead
+        if host_count > 1 and rounds:
+            crossing = self._gather_across(flat, mine, 0, min(capacity, longest))
         for start in rounds:
             stride = min(capacity, longest - start)
             base = self._write_set()
