@@ -14,9 +14,8 @@ chooses internally), so these are built from ``isend``/``irecv``:
 Every rank ends with the same bits: each element is combined on one rank, in one order, and
 copied to the others. Each function reduces a flat, contiguous CPU tensor in place.
 
-Besides the allreduces, a ring reduce-scatter and a ring all-gather (:func:`reduce_scatter`,
-:func:`allgather`): Gloo's reduce-scatter moves an allreduce's bytes, and its all-gather does not
-keep one link between hosts full, where these move what the collective needs at the link's rate.
+Besides the allreduces, a ring reduce-scatter (:func:`reduce_scatter`, the shared-memory
+reduce-scatter's step between hosts): Gloo's reduce-scatter moves an allreduce's bytes.
 """
 
 from __future__ import annotations
@@ -60,16 +59,6 @@ def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGr
         return
     run = {"ring": _ring, "tree": _tree, "halving_doubling": _halving_doubling}[algorithm]
     run(flat, combiner(op), dist.get_rank(group), size, group)
-
-
-def allgather(mine: torch.Tensor, pieces: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Every rank's piece into ``pieces`` (one per rank of ``group``, rank ``r``'s as long as its
-    ``mine``; this rank's gets a copy of ``mine``) around a ring: ``p - 1`` steps, each sending the
-    piece received in the step before. Point-to-point messages keep one link full where Gloo's
-    all-gather does not (21 MB between two hosts at 1 Gbit/s: 88 against 117-141 ms)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces[rank].copy_(mine)
-    _pass_around(pieces, rank, (rank + 1) % size, (rank - 1) % size, group)
 
 
 def reduce_scatter(chunks: Sequence[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import algorithms, joining, objects, shm, wire
+from phalanx.comm import joining, objects, shm, wire
 from phalanx.comm.agreement import BAD_SPLITS, Agreeing, problem_code, read, reduction_detail, refuse_scalar
 from phalanx.comm.handles import Handle, done
 from phalanx.comm.ordered import OrderedExecutor
@@ -36,14 +36,6 @@ T = TypeVar("T")
 # Newer torch renamed the flat-tensor reduce-scatter; older releases (>= 2.4) have only the old name.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _NO_DATA = torch.empty(0)  # the record of an operation that carries no tensor (a barrier, a join)
-
-
-#: A CPU allgather whose longest piece is at least this large (and that shared memory does not carry)
-#: runs phalanx's ring of point-to-point messages, which keeps one link full where Gloo's all-gather
-#: does not (10.5 MB a rank between two hosts at 1 Gbit/s: 88 against 117-141 ms; 2 MB: 17 against
-#: 23 ms); smaller ones, bound by latency, stay in Gloo's own threads beside the ring's executor
-#: (measured: benchmarks/RESULTS.md, "Level 3 between two hosts").
-RING_ALLGATHER_BYTES = 1 << 20
 
 
 class Collectives(Agreeing):
@@ -255,12 +247,6 @@ class Collectives(Agreeing):
         shared = self.shared_memory
         if shared is not None and not tensor.is_cuda and not self._scoped():
             return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op)
-        if not tensor.is_cuda and not self._scoped() and max(lengths) * data.shape[1] >= RING_ALLGATHER_BYTES:
-            ring, whole = self.message_executor(), data.new_empty((sum(lengths), data.shape[1]))
-            rows = list(whole.split(list(lengths)))
-            work = lambda: algorithms.allgather(data, rows, ring.group.group)  # noqa: E731
-            return self._on(ring, "allgather (ring)", work, lambda _: wire.from_bytes(whole, tensor.dtype, shape),
-                            async_op)
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
         finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
@@ -311,11 +297,6 @@ class Collectives(Agreeing):
             flat, counts = data.contiguous().view(-1), [chunk.numel() for chunk in chunks]
             work = lambda: shared.group.reduce_scatter_(flat, counts, plan.op, received.view(-1))  # noqa: E731
             return self._on(shared, "reduce_scatter (shared memory)", work, lambda _: finish(received), async_op)
-        if not data.is_cuda and not self._scoped():  # Gloo's own moves an allreduce's bytes: a ring moves half
-            ring = self.message_executor()
-            pieces = [chunk.reshape(-1) for chunk in chunks]
-            work = lambda: received.view(-1).copy_(algorithms.reduce_scatter(pieces, plan.op, ring.group.group))  # noqa: E731
-            return self._on(ring, "reduce_scatter (ring)", work, lambda _: finish(received), async_op)
         reduce_op = REDUCE_OPS[plan.op]
         if all(chunk.shape == received.shape for chunk in chunks):
             start = lambda: _reduce_scatter_single(received, data, reduce_op, group=self._group(data), async_op=True)  # noqa: E731
