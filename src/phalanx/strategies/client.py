@@ -11,6 +11,7 @@ new parameters, and its ``state_dict()`` fetches the optimizer state the servers
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -89,8 +90,10 @@ class ServerClient:
         """Async: report the last task's metric sums to server 0 and get the next task of ``epoch``.
 
         Returns a task (its ``waited`` says the staleness bound held this worker back, so it
-        should pull first), or one with status ``EPOCH_DONE`` and the epoch's summed metrics
-        (training, then validation) in ``totals``.
+        should pull first), one with status ``EPOCH_DONE`` and the epoch's summed metrics
+        (training, then validation) in ``totals``, or one with status ``WAIT``: nothing could be
+        dealt yet, ask again (after following the group: the holders of the last tasks may be
+        re-forming it).
         """
         values = [] if sums is None else sums.tolist()
         self._request(0, Kind.NEXT, values, epoch=epoch)
@@ -102,6 +105,8 @@ class ServerClient:
             except ChannelClosed as error:
                 raise self._server_failed(0, "get the epoch's metrics from", error) from error
             return Task(Status.EPOCH_DONE, totals=totals)
+        if status == Status.WAIT:
+            return Task(Status.WAIT, waited=True)
         step, share = divmod(task, shares)
         return Task(Status.TASK, Phase(phase), step, share, shares, bool(waited), applied // shares)
 
@@ -270,18 +275,34 @@ class Dealing:
         self._sums: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[Task]:
-        phase_seen = None
+        phase_seen, waiting_since = None, None
         while True:
             self.before_each()
             task, self._sums = self.client.next_task(self.epoch, self._sums), None
+            if task.status is Status.WAIT:
+                waiting_since = self._still_waiting(waiting_since)
+                continue
             if task.status is Status.EPOCH_DONE:
                 self.totals = task.totals
                 self.client.pull()  # every update of the epoch is applied: the same parameters everywhere
                 return
-            if task.waited or task.phase != phase_seen:
+            if task.waited or waiting_since is not None or task.phase != phase_seen:
                 self.client.pull()
                 phase_seen = task.phase
+            waiting_since = None
             yield task
+
+    def _still_waiting(self, since: float | None) -> float:
+        """When this worker began waiting for a task; raises once that is longer than the job's timeout."""
+        now = time.monotonic()
+        if since is None:
+            return now
+        if now - since > runtime.timeout():
+            raise CollectiveTimeoutError(
+                f"rank {runtime.rank()}: parameter server 0 dealt no task of epoch {self.epoch} for "
+                f"{runtime.timeout():.0f}s: the workers holding the epoch's last tasks never finished them. "
+                "Look for a stopped worker in the log; launch with --min-workers to go on without lost workers.")
+        return since
 
     def report(self, sums: torch.Tensor) -> None:
         """The metric sums of the task just done."""

@@ -42,6 +42,7 @@ class Status(enum.IntEnum):
     TASK = 2  # async: here is a task (epoch, index, phase)
     EPOCH_DONE = 3  # async: every task of the epoch is applied; the values hold its metric sums
     FAILED = 4  # the server could not apply the request; the object holds its message
+    WAIT = 5  # async: no task can be dealt yet (others hold the last ones); follow the group, then ask again
 
 
 class Request(NamedTuple):

@@ -35,6 +35,8 @@ from phalanx.strategies.shard import Shard
 
 logger = logging.getLogger(__name__)
 
+DEAL_WAIT_S = 0.5  # async: how long a request for a task waits at server 0 before the worker is told to ask again
+
 
 class Server:
     """Serves ``shard`` to the job's workers until they are done."""
@@ -296,23 +298,31 @@ class Server:
             self.initialised = True
 
     def _next(self, worker: int, channel: Channel, epoch: int, sums: torch.Tensor) -> None:
-        """Async, server 0: count the worker's last task, then deal it another (or say the epoch is done)."""
+        """Async, server 0: count the worker's last task, then deal it another, say the epoch is done,
+        or, when nothing can be dealt within ``DEAL_WAIT_S``, say ``WAIT``.
+
+        A worker is never held here for long: the tasks it waits for may be held by workers that
+        are re-forming their group (an elastic job), which needs this worker too, so it goes back,
+        follows its group and asks again; the client bounds the whole wait by the job's timeout.
+        """
         assert self.dealer is not None
         waited = False
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + DEAL_WAIT_S
         with self.cond:
             self.dealer.confirm(worker, sums)
             self.cond.notify_all()
             while (dealt := self.dealer.deal(worker, epoch)) is None:
                 waited = True
                 if not self.cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise CollectiveTimeoutError(
-                        f"parameter server {self.server}: no task could be dealt to worker {worker} for "
-                        f"{self.timeout_s:.0f}s")
-            self.cond.notify_all()
-            what, task, phase = dealt
+                    break
+            if dealt is not None:
+                self.cond.notify_all()
             totals = self.dealer.finished.get(epoch)
             applied = self.dealer.applied
+        if dealt is None:
+            channel.send([wire.header(Status.WAIT, 1, 0, self.workers, applied, epoch)], wire.HEADER)
+            return
+        what, task, phase = dealt
         if what == "done":
             assert totals is not None
             channel.send([wire.header(Status.EPOCH_DONE, 0, 0, 0, 0, epoch, 0, totals.numel())], wire.HEADER)
