@@ -80,9 +80,10 @@ def test_workers_are_forked_warm_and_inherit_nothing_of_the_server(tmp_path: Pat
     assert done.returncode == 3 and "rank 1" in done.stderr, done.stderr  # its sys.exit(3), as with python
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
-    """A started fork server with the environment a launch gives it, ready to serve."""
+    """A started fork server with the environment a launch gives it, ready to serve; one for the
+    module's tests, which only spawn from it (starting one imports torch: 5-7 s of a busy suite)."""
     server = ForkServer(WorkerSpec.shared_environment(worker_env()))
     server.start()
     try:
