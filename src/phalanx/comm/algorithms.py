@@ -125,6 +125,24 @@ def _pass_around(pieces: Sequence[torch.Tensor], first: int, right: int, left: i
         _exchange(pieces[(first - step) % size], right, pieces[(first - step - 1) % size], left, group)
 
 
+def post_exchange(sends: Sequence[torch.Tensor | None], receives: Sequence[torch.Tensor | None],
+                  group: dist.ProcessGroup | None, tag: int = 0) -> list[dist.Work]:
+    """Post at once a send of ``sends[r]`` to and a receive into ``receives[r]`` from every other rank
+    ``r`` of ``group`` (empty or absent ones skipped) and return the works; the caller waits for them.
+    Each rank sends to rank ``r`` what only ``r`` needs, so an exchange moves what a ring does, but
+    in one round: a link stays busy (Gloo's alltoall and allgather leave it idle between steps)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    works = []
+    for step in range(1, size):  # staggered, so that no rank is everyone's first peer
+        to, source = (rank + step) % size, (rank - step) % size
+        receive, send = receives[source], sends[to]
+        if receive is not None and receive.numel():
+            works.append(dist.irecv(receive, _global(group, source), group=group, tag=tag))
+        if send is not None and send.numel():
+            works.append(dist.isend(send, _global(group, to), group=group, tag=tag))
+    return works
+
+
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
 

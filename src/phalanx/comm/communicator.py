@@ -75,6 +75,9 @@ class Communicator(Collectives):
     messages: OrderedExecutor[algorithms.MessageGroup] | None = dataclasses.field(default=None, init=False)
     #: the links measured for ``algorithm="auto"``, by group id: a new generation starts without
     links: dict[int, cost.Link] = dataclasses.field(default_factory=dict, init=False)
+    #: point-to-point exchanges (CPU reduce-scatters and allgathers) started, counted alike on every
+    #: rank: each takes its own tag
+    exchanges: int = dataclasses.field(default=0, init=False)
     closed: bool = dataclasses.field(default=False, init=False)
     #: what runs first when the generation ends (a layer above stopping its threads on these groups)
     closing: list[Callable[[], None]] = dataclasses.field(default_factory=list, init=False)

@@ -50,6 +50,20 @@ class FutureWork:
         return self._future.done()
 
 
+class Works:
+    """Several works (the sends and receives of one exchange) waited as one."""
+
+    def __init__(self, works: list[Any]):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 def then(handle: Handle[S], finish: Callable[[S], T]) -> Handle[T]:
     """A handle that waits for ``handle`` and then returns ``finish`` of its result (once)."""
     return Handle(handle._name, handle, lambda: finish(handle.wait()))

@@ -23,15 +23,18 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import joining, objects, shm, wire
+from phalanx.comm import algorithms, joining, objects, shm, wire
 from phalanx.comm.agreement import BAD_SPLITS, Agreeing, problem_code, read, reduction_detail, refuse_scalar
-from phalanx.comm.handles import Handle, done
+from phalanx.comm.handles import Handle, Works, done
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.routing import ALLREDUCE_ALGORITHMS, REDUCE_OPS
 from phalanx.comm.scopes import when_open
 from phalanx.errors import CollectiveMismatchError, ConfigurationError
 
 T = TypeVar("T")
+
+#: the tags of point-to-point exchanges (reduce-scatter and allgather of CPU tensors): counted round
+EXCHANGE_TAG_BASE, EXCHANGE_TAGS = 1 << 20, 1 << 16
 
 # Newer torch renamed the flat-tensor reduce-scatter; older releases (>= 2.4) have only the old name.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -247,11 +250,30 @@ class Collectives(Agreeing):
         shared = self.shared_memory
         if shared is not None and not tensor.is_cuda and not self._scoped():
             return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op)
+        if not tensor.is_cuda and not self._scoped():
+            return self._allgather_exchanged(data, lengths, tensor.dtype, shape, async_op)
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
         finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
         start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
         return self._launch("allgather", start, finish, async_op)
+
+    def _allgather_exchanged(self, data: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype,
+                             shape: tuple[int, ...], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+        """A CPU allgather of rows of bytes as one exchange: this rank's rows go to every other rank
+        and theirs arrive straight into place (uneven lengths without padding). Gloo's own allgather
+        leaves a link idle between its steps (10.5 MB a rank between two hosts at 1 Gbit/s: 106-125
+        against 88 ms)."""
+        rank = self._rank()
+        whole = data.new_empty((sum(lengths), data.shape[1]))
+        places = list(whole.split(list(lengths)))
+
+        def start() -> Works:
+            places[rank].copy_(data)
+            return Works(algorithms.post_exchange([None if r == rank else data for r in range(len(places))],
+                                                  [None if r == rank else place for r, place in enumerate(places)],
+                                                  self._group(data), self._next_exchange_tag()))
+        return self._launch("allgather", start, lambda: wire.from_bytes(whole, dtype, shape), async_op)
 
     def _allgather_shared(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor,
                           lengths: Sequence[int], dtype: torch.dtype, shape: tuple[int, ...],
@@ -297,12 +319,41 @@ class Collectives(Agreeing):
             flat, counts = data.contiguous().view(-1), [chunk.numel() for chunk in chunks]
             work = lambda: shared.group.reduce_scatter_(flat, counts, plan.op, received.view(-1))  # noqa: E731
             return self._on(shared, "reduce_scatter (shared memory)", work, lambda _: finish(received), async_op)
+        if not data.is_cuda and not self._scoped():
+            return self._reduce_scatter_exchanged(chunks, received, plan.op, finish, async_op)
         reduce_op = REDUCE_OPS[plan.op]
         if all(chunk.shape == received.shape for chunk in chunks):
             start = lambda: _reduce_scatter_single(received, data, reduce_op, group=self._group(data), async_op=True)  # noqa: E731
         else:
             start = lambda: dist.reduce_scatter(received, list(chunks), reduce_op, group=self._group(data), async_op=True)  # noqa: E731
         return self._launch("reduce_scatter", start, lambda: finish(received), async_op)
+
+    def _reduce_scatter_exchanged(self, chunks: Sequence[torch.Tensor], received: torch.Tensor, op: str,
+                                  finish: Callable[[torch.Tensor], T], async_op: bool) -> T | Handle[T]:
+        """A CPU reduce-scatter as one exchange: each rank sends every other rank that rank's chunk (see
+        :func:`algorithms.post_exchange`) and reduces the chunks that arrive with its own, in rank order.
+        Each rank sends ``(p - 1) / p`` of the tensor; Gloo's own reduce-scatter moves an allreduce's
+        bytes, twice that (21 MB between two hosts at 1 Gbit/s: 193 against 88 ms)."""
+        rank = self._rank()
+        arrived = [None if r == rank else torch.empty_like(received) for r in range(len(chunks))]
+
+        def reduce() -> T:
+            pieces = [chunks[rank] if piece is None else piece for piece in arrived]
+            algorithms.combiner_into(op)(pieces[0], pieces[1], received)
+            combine = algorithms.combiner(op)
+            for piece in pieces[2:]:
+                combine(received, piece)
+            return finish(received)
+        start = lambda: Works(algorithms.post_exchange(  # noqa: E731
+            [None if r == rank else chunk for r, chunk in enumerate(chunks)], arrived, self._group(received),
+            self._next_exchange_tag()))
+        return self._launch("reduce_scatter", start, reduce, async_op)
+
+    def _next_exchange_tag(self) -> int:
+        """A tag of its own for each exchange (every rank counts the same collectives), so that two in
+        flight between the same ranks never take each other's messages."""
+        self.exchanges = (self.exchanges + 1) % EXCHANGE_TAGS
+        return EXCHANGE_TAG_BASE + self.exchanges
 
     @overload
     def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | None = ..., *, async_op: Literal[False] = ...,

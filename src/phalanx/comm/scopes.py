@@ -65,6 +65,7 @@ class Scoped:
     device: torch.device
     shared_memory: OrderedExecutor[shm.SharedMemoryGroup] | None
     links: dict[int, cost.Link]
+    exchanges: int
 
     def ensure_open(self, operation: str) -> None:
         raise NotImplementedError
