@@ -251,3 +251,26 @@ def _wrong_lengths() -> str:
 def test_lengths_told_to_a_checked_allgather_are_compared_on_every_rank() -> None:
     for message in run_workers(_wrong_lengths, 2):
         assert "told the ranks' lengths are [1, 1], but they are [1, 2]" in message
+
+
+def _exchanges_in_flight_together() -> list[torch.Tensor]:
+    """Over Gloo (no shared memory) reduce-scatters and allgathers are point-to-point exchanges: several
+    in flight at once between the same ranks, waited in another order than started, keep their messages."""
+    px.shutdown()
+    px.init(transport="gloo")
+    rank, size = px.rank(), px.size()
+    started = []
+    for k in range(3):  # sizes that differ, so that a message taken by the wrong exchange would not fit
+        started.append(px.allgather(torch.full((k + rank + 1,), float(rank)), async_op=True))
+        started.append(px.reduce_scatter(torch.arange(float(size * (k + 2))) * (rank + 1), async_op=True))
+    return [handle.wait() for handle in reversed(started)][::-1]
+
+
+def test_exchanges_in_flight_together_keep_their_messages_apart() -> None:
+    size = 3
+    for rank, results in enumerate(run_workers(_exchanges_in_flight_together, size)):
+        for k in range(3):
+            gathered, scattered = results[2 * k], results[2 * k + 1]
+            assert torch.equal(gathered, torch.cat([torch.full((k + r + 1,), float(r)) for r in range(size)]))
+            total = torch.arange(float(size * (k + 2))) * sum(range(1, size + 1))
+            assert torch.equal(scattered, total.tensor_split(size)[rank]), (rank, k)
