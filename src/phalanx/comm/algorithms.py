@@ -107,13 +107,19 @@ class MessageGroup:
 def _exchange(send: torch.Tensor | None, to: int, receive: torch.Tensor | None, source: int,
               group: dist.ProcessGroup | None) -> None:
     """Send and receive at once (either may be empty or absent); wait for both."""
+    for work in _post(send, to, receive, source, group):
+        work.wait()
+
+
+def _post(send: torch.Tensor | None, to: int, receive: torch.Tensor | None, source: int,
+          group: dist.ProcessGroup | None, tag: int = 0) -> list[dist.Work]:
+    """Post a receive from ``source`` and a send to ``to`` (ranks of ``group``; empty or absent ones skipped)."""
     works = []
     if receive is not None and receive.numel():
-        works.append(dist.irecv(receive, _global(group, source), group=group))
+        works.append(dist.irecv(receive, _global(group, source), group=group, tag=tag))
     if send is not None and send.numel():
-        works.append(dist.isend(send, _global(group, to), group=group))
-    for work in works:
-        work.wait()
+        works.append(dist.isend(send, _global(group, to), group=group, tag=tag))
+    return works
 
 
 def _pass_around(pieces: Sequence[torch.Tensor], first: int, right: int, left: int,
@@ -135,11 +141,7 @@ def post_exchange(sends: Sequence[torch.Tensor | None], receives: Sequence[torch
     works = []
     for step in range(1, size):  # staggered, so that no rank is everyone's first peer
         to, source = (rank + step) % size, (rank - step) % size
-        receive, send = receives[source], sends[to]
-        if receive is not None and receive.numel():
-            works.append(dist.irecv(receive, _global(group, source), group=group, tag=tag))
-        if send is not None and send.numel():
-            works.append(dist.isend(send, _global(group, to), group=group, tag=tag))
+        works += _post(sends[to], to, receives[source], source, group, tag)
     return works
 
 
