@@ -43,6 +43,10 @@ def _every_collective() -> dict:
                          ("alltoall_misfit", torch.empty(arriving + 1, dtype=torch.int64))):
         received = px.alltoall(torch.full((sum(splits),), r, dtype=torch.int64), splits=splits, buffer=buffer)
         out[name] = (received, received.data_ptr() == buffer.data_ptr())
+    rows = sum(k + 1 for k in range(n))
+    for name, buffer in (("allgather_buffer", torch.empty(rows, 2)), ("allgather_misfit", torch.empty(rows, 3))):
+        received = px.allgather(torch.full((r + 1, 2), float(r)), buffer=buffer)
+        out[name] = (received, received.data_ptr() == buffer.data_ptr())
     px.barrier()
     out["object"] = px.broadcast_object({"from": r, "list": [1, 2]} if r == 0 else None)
     out["objects"] = px.allgather_object(("rank", r))
@@ -94,6 +98,8 @@ def test_every_collective_gives_the_reference_result(world_size: int) -> None:
         assert torch.equal(out["reduce_scatter_uneven"], torch.tensor_split(torch.arange(2 * n + 1.0), n)[r])
         expected_alltoall = torch.cat([torch.full(((k + r) % 2 + 1,), k, dtype=torch.int64) for k in range(n)])
         assert torch.equal(out["alltoall_buffer"][0], expected_alltoall) and out["alltoall_buffer"][1]  # received there
+        assert torch.equal(out["allgather_buffer"][0], out["allgather_uneven"]) and out["allgather_buffer"][1]
+        assert torch.equal(out["allgather_misfit"][0], out["allgather_uneven"]) and not out["allgather_misfit"][1]
         assert torch.equal(out["alltoall_misfit"][0], expected_alltoall) and not out["alltoall_misfit"][1]
         assert torch.equal(out["alltoall"], expected_alltoall)
         assert out["alltoall_even"].tolist() == [100 * k + 2 * r + j for k in range(n) for j in range(2)]
@@ -259,11 +265,14 @@ def _exchanges_in_flight_together() -> list[torch.Tensor]:
     px.shutdown()
     px.init(transport="gloo")
     rank, size = px.rank(), px.size()
-    started = []
+    started, buffers = [], []
     for k in range(3):  # sizes that differ, so that a message taken by the wrong exchange would not fit
-        started.append(px.allgather(torch.full((k + rank + 1,), float(rank)), async_op=True))
+        buffers.append(torch.empty(sum(range(k + 1, k + size + 1))))  # received straight into place
+        started.append(px.allgather(torch.full((k + rank + 1,), float(rank)), async_op=True, buffer=buffers[-1]))
         started.append(px.reduce_scatter(torch.arange(float(size * (k + 2))) * (rank + 1), async_op=True))
-    return [handle.wait() for handle in reversed(started)][::-1]
+    results = [handle.wait() for handle in reversed(started)][::-1]
+    assert all(results[2 * k].data_ptr() == buffers[k].data_ptr() for k in range(3))
+    return results
 
 
 def test_exchanges_in_flight_together_keep_their_messages_apart() -> None:

@@ -213,20 +213,25 @@ class Collectives(Agreeing):
 
     @overload
     def allgather(self, tensor: torch.Tensor, *, async_op: Literal[False] = ..., check: bool = ...,
-                  lengths: Sequence[int] | None = ...) -> torch.Tensor: ...
+                  lengths: Sequence[int] | None = ..., buffer: torch.Tensor | None = ...) -> torch.Tensor: ...
 
     @overload
     def allgather(self, tensor: torch.Tensor, *, async_op: Literal[True], check: bool = ...,
-                  lengths: Sequence[int] | None = ...) -> Handle[torch.Tensor]: ...
+                  lengths: Sequence[int] | None = ..., buffer: torch.Tensor | None = ...) -> Handle[torch.Tensor]: ...
 
     @when_open
     def allgather(self, tensor: torch.Tensor, *, async_op: bool = False, check: bool = True,
-                  lengths: Sequence[int] | None = None) -> torch.Tensor | Handle[torch.Tensor]:
+                  lengths: Sequence[int] | None = None,
+                  buffer: torch.Tensor | None = None) -> torch.Tensor | Handle[torch.Tensor]:
         """Concatenate every rank's tensor along dim 0, in rank order. First dimensions may differ.
 
         A 0-dim tensor counts as one row. The rows travel as bytes, so any dtype but quantized ones can.
         ``lengths``: every rank's first dimension, where the caller knows them all (a sharded
         layout); with ``check=False`` the call then skips the exchange of lengths, one round trip.
+        ``buffer``: the result is this tensor's memory where it fits exactly (contiguous, ``tensor``'s
+        dtype and row shape, all the rows); on the CPU the rows arrive straight into it, so a gather
+        repeated into the same place allocates and copies nothing more. It must not be touched
+        until the gather is done.
         """
         tensor = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
         wire.check_movable(tensor.dtype, "allgather")
@@ -244,28 +249,34 @@ class Collectives(Agreeing):
                                   f"{self._size()} ranks, but this rank's tensor has {tensor.shape[0]} rows; "
                                   "pass one length per rank, this rank's its tensor's first dimension.")
         shape = (sum(lengths), *tensor.shape[1:])
-        data = wire.to_bytes(tensor, copy=self._size() == 1)
+        into = buffer if buffer is not None and _fits(buffer, tensor, shape[0]) else None
+        data = wire.to_bytes(tensor, copy=self._size() == 1 and into is None)
+        whole = wire.to_bytes(into, copy=False) if into is not None else None
         if self._size() == 1:
-            return done(wire.from_bytes(data, tensor.dtype, shape), async_op)
+            return done(wire.from_bytes(data if whole is None else whole.copy_(data), tensor.dtype, shape), async_op)
         shared = self.shared_memory
         if shared is not None and not tensor.is_cuda and not self._scoped():
-            return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op)
+            return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op, whole)
         if not tensor.is_cuda and not self._scoped():
-            return self._allgather_exchanged(data, lengths, tensor.dtype, shape, async_op)
+            return self._allgather_exchanged(data, lengths, tensor.dtype, shape, async_op, whole)
         padded = _pad_rows(data, max(lengths))
         pieces = [torch.empty_like(padded) for _ in lengths]
-        finish = lambda: wire.from_bytes(torch.cat([p[:n] for p, n in zip(pieces, lengths)]), tensor.dtype, shape)  # noqa: E731
+
+        def finish() -> torch.Tensor:
+            rows = [piece[:n] for piece, n in zip(pieces, lengths)]
+            return wire.from_bytes(torch.cat(rows) if whole is None else torch.cat(rows, out=whole), tensor.dtype, shape)
         start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
         return self._launch("allgather", start, finish, async_op)
 
     def _allgather_exchanged(self, data: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype,
-                             shape: tuple[int, ...], async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+                             shape: tuple[int, ...], async_op: bool,
+                             whole: torch.Tensor | None) -> torch.Tensor | Handle[torch.Tensor]:
         """A CPU allgather of rows of bytes as one exchange: this rank's rows go to every other rank
         and theirs arrive straight into place (uneven lengths without padding). Gloo's own allgather
         leaves a link idle between its steps (10.5 MB a rank between two hosts at 1 Gbit/s: 106-125
         against 88 ms)."""
         rank = self._rank()
-        whole = data.new_empty((sum(lengths), data.shape[1]))
+        whole = data.new_empty((sum(lengths), data.shape[1])) if whole is None else whole
         places = list(whole.split(list(lengths)))
 
         def start() -> Works:
@@ -277,11 +288,11 @@ class Collectives(Agreeing):
 
     def _allgather_shared(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor,
                           lengths: Sequence[int], dtype: torch.dtype, shape: tuple[int, ...],
-                          async_op: bool) -> torch.Tensor | Handle[torch.Tensor]:
+                          async_op: bool, whole: torch.Tensor | None) -> torch.Tensor | Handle[torch.Tensor]:
         """An allgather of rows of bytes through shared memory, without Gloo's sockets within a host;
         across hosts only each host's own rows leave it (see :meth:`SharedMemoryGroup.allgather_`)."""
         row_bytes = data.shape[1]
-        whole = data.new_empty((sum(lengths), row_bytes))
+        whole = data.new_empty((sum(lengths), row_bytes)) if whole is None else whole
         byte_lengths = [n * row_bytes for n in lengths]
         work = lambda: shared.group.allgather_(data.view(-1), byte_lengths, whole.view(-1))  # noqa: E731
         return self._on(shared, "allgather (shared memory)", work, lambda _: wire.from_bytes(whole, dtype, shape),
@@ -537,8 +548,9 @@ def _alltoall_splits(tensor: torch.Tensor, splits: Sequence[int] | None, world: 
 
 
 def _fits(buffer: torch.Tensor, tensor: torch.Tensor, rows: int) -> bool:
-    """Whether ``buffer`` can take ``rows`` rows of ``tensor``'s dtype and row shape as they are."""
-    return buffer.is_contiguous() and buffer.dtype == tensor.dtype and buffer.shape == (rows, *tensor.shape[1:])
+    """Whether ``buffer`` can take ``rows`` rows of ``tensor``'s dtype, device and row shape as they are."""
+    return (buffer.is_contiguous() and buffer.dtype == tensor.dtype and buffer.device == tensor.device
+            and buffer.shape == (rows, *tensor.shape[1:]))
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Block:
                 self._in_flight.append(None)
             else:
                 self._in_flight.append(collectives.allgather(unit.shard.detach(), async_op=True, check=False,
-                                                             lengths=unit.lengths))
+                                                             lengths=unit.lengths, buffer=unit.flat))
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -76,7 +76,9 @@ class Block:
             return
         self.launch()
         for unit, handle in zip(self.units, self._in_flight):
-            unit.flat.copy_(unit.shard if handle is None else handle.wait())
+            whole = unit.shard if handle is None else handle.wait()
+            if whole.data_ptr() != unit.flat.data_ptr():  # gathered elsewhere than into the buffer itself
+                unit.flat.copy_(whole)
         self._in_flight, self.gathered = [], True
 
     def free(self) -> None:
