@@ -139,8 +139,8 @@ def test_a_new_group_starts_without_the_old_groups_measured_link() -> None:
     assert run_workers(_links_of_two_generations, 2) == [(True, 1, False, 0)] * 2
 
 
-def _rings() -> dict:
-    """The ring reduce-scatter, which the shared-memory reduce-scatter runs between hosts."""
+def _reduce_scatters() -> dict:
+    """The exchanged reduce-scatter, which the shared-memory reduce-scatter runs between hosts."""
     import torch.distributed as dist
 
     from phalanx.comm import algorithms
@@ -158,10 +158,10 @@ def _rings() -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_ring_reduce_scatter_gives_each_rank_its_reduced_chunk(world_size: int) -> None:
+def test_the_exchanged_reduce_scatter_gives_each_rank_its_reduced_chunk(world_size: int) -> None:
     """The cross-host step of the shared-memory reduce-scatter: rank r ends with chunk r reduced
     (torch.tensor_split's chunks), the input untouched."""
-    results = run_workers(_rings, world_size)
+    results = run_workers(_reduce_scatters, world_size)
     for key in results[0]:
         if key[0] == "reduce_scatter":
             _, dtype, numel, op = key

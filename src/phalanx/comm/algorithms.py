@@ -14,8 +14,10 @@ chooses internally), so these are built from ``isend``/``irecv``:
 Every rank ends with the same bits: each element is combined on one rank, in one order, and
 copied to the others. Each function reduces a flat, contiguous CPU tensor in place.
 
-Besides the allreduces, a ring reduce-scatter (:func:`reduce_scatter`, the shared-memory
-reduce-scatter's step between hosts): Gloo's reduce-scatter moves an allreduce's bytes.
+Besides the allreduces, one-round exchanges (:func:`post_exchange`): a reduce-scatter
+(:class:`ReduceScatterExchange`: the shared-memory reduce-scatter's step between hosts, and px's CPU
+reduce-scatter without shared memory) and px's CPU allgather without shared memory. Gloo's
+reduce-scatter moves an allreduce's bytes, and its allgather leaves a link idle between steps.
 """
 
 from __future__ import annotations
@@ -62,24 +64,39 @@ def allreduce(flat: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGr
 
 
 def reduce_scatter(chunks: Sequence[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Reduce each of ``chunks`` (one per rank of ``group``, 1-D) over the group around a ring and
-    return this rank's, reduced (a new tensor; ``chunks`` are only read): ``p - 1`` steps of one chunk
-    each way, a reduce-scatter's bytes (Gloo's reduce-scatter moves those of a whole allreduce)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if size == 1:
-        return chunks[0].clone()
-    combine_into = combiner_into(op)
-    right, left = (rank + 1) % size, (rank - 1) % size
-    longest = max(chunk.numel() for chunk in chunks)
-    partial, scratch = chunks[0].new_empty(longest), chunks[0].new_empty(longest)
-    sending = chunks[left]
-    for step in range(size - 1):  # chunk r starts on rank r + 1 and ends complete on rank r
-        index = (rank - step - 2) % size
-        incoming = scratch[: chunks[index].numel()]
-        _exchange(sending, right, incoming, left, group)
-        sending = partial[: chunks[index].numel()]
-        combine_into(chunks[index], incoming, sending)
-    return sending
+    """Reduce each of ``chunks`` (one per rank of ``group``, 1-D) over the group and return this
+    rank's, reduced (a new tensor; ``chunks`` are only read): one exchange (:class:`ReduceScatterExchange`),
+    a reduce-scatter's bytes (Gloo's reduce-scatter moves those of a whole allreduce)."""
+    rank = dist.get_rank(group)
+    exchange = ReduceScatterExchange(chunks, rank)
+    for work in exchange.post(group):
+        work.wait()
+    return exchange.reduce(op, torch.empty_like(chunks[rank]))
+
+
+class ReduceScatterExchange:
+    """A reduce-scatter as one exchange: chunk ``r`` of ``chunks`` goes to rank ``r``, and every other
+    rank's chunk ``rank`` arrives here; once the posted works are done, :meth:`reduce` combines
+    them with this rank's own in rank order (the same order, so the same bits, whatever arrived first)."""
+
+    def __init__(self, chunks: Sequence[torch.Tensor], rank: int):
+        self.chunks, self.rank = chunks, rank
+        self.arrived = [None if r == rank else torch.empty_like(chunks[rank]) for r in range(len(chunks))]
+
+    def post(self, group: dist.ProcessGroup | None, tag: int = 0) -> list[dist.Work]:
+        sends = [None if r == self.rank else chunk for r, chunk in enumerate(self.chunks)]
+        return post_exchange(sends, self.arrived, group, tag)
+
+    def reduce(self, op: str, out: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk reduced with the arrived ones into ``out`` (after the works are done)."""
+        pieces = [self.chunks[r] if piece is None else piece for r, piece in enumerate(self.arrived)]
+        if len(pieces) == 1:
+            return out.copy_(pieces[0])
+        combiner_into(op)(pieces[0], pieces[1], out)
+        combine = combiner(op)
+        for piece in pieces[2:]:
+            combine(out, piece)
+        return out
 
 
 class MessageGroup:

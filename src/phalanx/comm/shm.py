@@ -347,7 +347,7 @@ class SharedMemoryGroup:
         In rounds of a slot: every rank copies a piece of each chunk into its slot, placed by local
         index, and arrives; each rank reduces its own piece over the slots (one host), or the pieces of
         its local index on every host; a second arrival lets the slots be written again. Across hosts
-        a ring reduce-scatter among the ranks of that local index (the cross group) then finishes the
+        one reduce-scatter exchange among the ranks of that local index (the cross group) then finishes the
         whole chunk at once, keeping the link busy: only the chunks of the other hosts leave a host,
         (H-1)/H of the tensor, half of what an allreduce (and Gloo's reduce-scatter) sends."""
         world, host_count = len(self._position), len(self.hosts)
