@@ -106,7 +106,7 @@ class ServerClient:
                 raise self._server_failed(0, "get the epoch's metrics from", error) from error
             return Task(Status.EPOCH_DONE, totals=totals)
         if status == Status.WAIT:
-            return Task(Status.WAIT, waited=True)
+            return Task(Status.WAIT)
         step, share = divmod(task, shares)
         return Task(Status.TASK, Phase(phase), step, share, shares, bool(waited), applied // shares)
 
