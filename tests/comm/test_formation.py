@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from phalanx.comm.auth import JobSecret
 from phalanx.comm.environment import LaunchInfo
 from phalanx.comm.membership import ElasticClient
 from phalanx.errors import CollectiveTimeoutError
+from tests.harness import run_workers
 
 TIMEOUT_S = 6.0
 
@@ -55,3 +57,36 @@ def test_a_member_lost_while_the_group_connects_ends_the_forming_at_once(monkeyp
         client.close()
         del client, store
         gc.collect()
+
+
+def _form_again_after_one_rank_failed_alone() -> float:
+    """Rank 1 first tries to form a group alone and fails half way; then both form one together."""
+    import phalanx as px
+
+    rank = px.rank()
+    px.shutdown()  # the harness's group: these ranks form their own below
+    info = LaunchInfo(source="test", rank=rank, world_size=2, master_port=int(os.environ["MASTER_PORT"]),
+                      store_hosted=True)
+    store = formation.connect_store(info, TIMEOUT_S)
+    if rank == 1:  # its peer never comes: the attempt fails inside torch's init, after torch named the group
+        with pytest.raises(CollectiveTimeoutError):
+            formation.create_group(info, 1.0, "gloo", torch.device("cpu"), keys="lonely/", store=store)
+        formation.leave_group(None)
+    store.set(f"ready/{rank}", "1")
+    store.wait(["ready/0", "ready/1"])
+    started = time.monotonic()
+    formed = formation.create_group(info, TIMEOUT_S, "gloo", torch.device("cpu"), keys="together/", store=store)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total, group=formed.cpu_group)
+    assert total.item() == 3.0
+    formation.leave_group(None)
+    return time.monotonic() - started
+
+
+def test_a_rank_whose_last_forming_failed_half_way_forms_the_next_group_with_its_peers() -> None:
+    """torch names a default group after a count that only a destroyed group resets: a rank whose
+    last forming failed inside torch's init (a member lost while the group connected) must look
+    for the same store keys as its peers next time, not wait out the timeout for keys nobody writes
+    (seen in the suite: a death at ``fit.setup`` left two ranks' init failed, the third's done)."""
+    seconds = run_workers(_form_again_after_one_rank_failed_alone, 2, timeout=60)
+    assert max(seconds) < TIMEOUT_S / 2, seconds

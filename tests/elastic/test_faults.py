@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -54,7 +55,10 @@ def run_job(tmp_path: Path, workers: int, min_workers: int, env: dict[str, str] 
         if kill_after is not None:
             _kill_one_after(job, workers, kill_after)
         started = time.monotonic()
-        code = job.wait(timeout=150)
+        try:
+            code = job.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within 150s\n{job.output()}")
         elapsed = time.monotonic() - started
         print(f"exit {code} after {elapsed:.1f}s")
         assert code == 0, job.output()

@@ -274,6 +274,17 @@ def leave_group(client: ElasticClient | None) -> None:
             dist.destroy_process_group()
         except (RuntimeError, ValueError):
             pass  # already half torn down by the failure; a new default group can still be created
+    else:
+        _forget_failed_group_name()
+
+
+def _forget_failed_group_name() -> None:
+    """Undo what a failed ``init_process_group`` left counted. torch names a default group after a
+    process-wide count (its store keys start with that name) and resets the count only when it
+    destroys a group; an init that failed half way (a peer lost while the group connected) has
+    counted one, so this process's next group would look for other keys than its peers', whose
+    inits succeeded or never started, and all would wait out the timeout."""
+    dist.distributed_c10d._world.group_count = 0
 
 
 def _rendezvous_timeout(timeout_s: float) -> float:
