@@ -90,3 +90,41 @@ def test_a_rank_whose_last_forming_failed_half_way_forms_the_next_group_with_its
     (seen in the suite: a death at ``fit.setup`` left two ranks' init failed, the third's done)."""
     seconds = run_workers(_form_again_after_one_rank_failed_alone, 2, timeout=60)
     assert max(seconds) < TIMEOUT_S / 2, seconds
+
+
+def _a_later_group_while_the_other_member_is_lost(secret: str) -> float | None:
+    """Both members form generation 1; then member 1 is lost (it stops and the coordinator's verdict
+    is stated), while member 0 makes the generation's group for phalanx's own algorithms."""
+    import phalanx as px
+
+    rank = px.rank()
+    px.shutdown()  # the harness's group: these ranks form an elastic generation of their own below
+    info = LaunchInfo(source="test", rank=rank, world_size=2, master_port=int(os.environ["MASTER_PORT"]),
+                      store_hosted=True)
+    store = formation.connect_store(info, TIMEOUT_S)
+    client = ElasticClient(store, member=rank, secret=JobSecret(bytes.fromhex(secret)))
+    generation = 1
+    answer = {"status": "ok", "generation": generation, "members": [0, 1]}
+    formed = formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo", torch.device("cpu"),
+                                                store, "gloo", 0)
+    try:
+        if rank == 1:
+            time.sleep(0.5)  # member 0 is waiting for this member's address by now
+            client.mark_broken(generation)
+            return None
+        started = time.monotonic()
+        with pytest.raises((RuntimeError, CollectiveTimeoutError)):
+            formed.message_executor()
+        return time.monotonic() - started
+    finally:
+        formed.close()
+        formation.leave_group(client)
+        client.close()
+
+
+def test_a_group_made_later_in_a_generation_that_loses_a_member_fails_at_once() -> None:
+    """A group a generation makes after it formed (phalanx's own algorithms', at their first use)
+    waits on the generation's rendezvous connection for every member's address; a member lost
+    before it wrote its own must end that wait when the generation breaks, not at the timeout."""
+    waited = run_workers(_a_later_group_while_the_other_member_is_lost, 2, JobSecret.generate().hex(), timeout=60)[0]
+    assert waited < TIMEOUT_S / 2, waited

@@ -320,28 +320,45 @@ def _communicator_for_answer(client: ElasticClient, answer: dict[str, Any], info
                             membership=view, transport=transport, on_sockets=client.track)
     if generation > 0:
         faults.point("reform.connect")
-    client.track(generation, {}, forming_since=socket_inodes())
+    opened = socket_inodes()
+    client.track(generation, {}, forming_since=opened)
     forming = own_connection(store)  # a connection of its own, which the watchdog cuts if a member is lost meanwhile
     if client.broken(generation):  # lost while it connected: the cut hit a connect attempt, not the retry that won
         raise CollectiveTimeoutError(f"forming generation {generation} of the elastic group failed: a member was "
                                      "lost while the group connected.")
     made = create_group(placed, timeout_s, backend, device, keys=keys, store=store, generation=generation,
                         transport=transport, rendezvous=forming)
-    client.track(generation, made.sockets if backend == "gloo" else {})
+    # The rendezvous connection stays the generation's too: a group it makes later (phalanx's own
+    # algorithms') waits on it for every member's address, which a member lost meanwhile never writes.
+    rendezvous = {inode: fd for inode, fd in sockets_since(opened).items() if inode not in made.sockets}
+    if backend == "gloo":
+        made.sockets.update(rendezvous)
+    client.track(generation, made.sockets if backend == "gloo" else rendezvous)
     made.membership, made.on_sockets = view, client.track
+    try:
+        # Nobody goes on before every member's group is whole: a member that died right after its own
+        # was (at px.fit's start, say) would fail the connections its peers were still making, and
+        # those would form the next generation while a peer still waited for them in this one.
+        _await_members(client, store, keys, generation, len(members), timeout_s, "connected")
+    except CollectiveTimeoutError:
+        made.close()
+        raise
     return made
 
 
 def _await_members(client: ElasticClient, store: Any, keys: str, generation: int, size: int,
-                   timeout_s: float) -> None:
-    """Wait until every member of ``generation`` is here to form its group; raise at once when the
-    coordinator declares one lost meanwhile (a group formed without it would wait out the timeout)."""
-    arrived = f"{keys}arrived"
-    store.add(arrived, 1)
+                   timeout_s: float, stage: str = "arrived") -> None:
+    """Wait until every member of ``generation`` has reached ``stage`` ("arrived" to form its group,
+    "connected" once it has); raise at once when the coordinator declares one lost meanwhile (a
+    group formed without it would wait out the timeout)."""
+    reached = f"{keys}{stage}"
+    store.add(reached, 1)
     deadline = time.monotonic() + timeout_s
-    while store.add(arrived, 0) < size:
+    while store.add(reached, 0) < size:
         if client.broken(generation) or time.monotonic() > deadline:
             raise CollectiveTimeoutError(
                 f"forming generation {generation} of the elastic group failed: a member was lost before all "
-                f"{size} arrived.")
+                f"{size} {stage}.")
         time.sleep(FORMATION_POLL_S)
+
+
