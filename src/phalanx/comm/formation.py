@@ -360,5 +360,3 @@ def _await_members(client: ElasticClient, store: Any, keys: str, generation: int
                 f"forming generation {generation} of the elastic group failed: a member was lost before all "
                 f"{size} {stage}.")
         time.sleep(FORMATION_POLL_S)
-
-
