@@ -128,3 +128,46 @@ def test_a_group_made_later_in_a_generation_that_loses_a_member_fails_at_once() 
     before it wrote its own must end that wait when the generation breaks, not at the timeout."""
     waited = run_workers(_a_later_group_while_the_other_member_is_lost, 2, JobSecret.generate().hex(), timeout=60)[0]
     assert waited < TIMEOUT_S / 2, waited
+
+
+def _an_allreduce_through_shared_memory_while_the_other_member_leaves(secret: str) -> float | None:
+    """Both members form generation 1 on one host (shared memory); member 1 starts an allreduce that
+    member 0 never joins: member 0 leaves the generation alive (as after a failure it saw first) and
+    states it broken."""
+    import phalanx as px
+
+    rank = px.rank()
+    px.shutdown()  # the harness's group: these ranks form an elastic generation of their own below
+    info = LaunchInfo(source="test", rank=rank, world_size=2, local_rank=rank, local_world_size=2,
+                      master_port=int(os.environ["MASTER_PORT"]), store_hosted=True)
+    store = formation.connect_store(info, TIMEOUT_S)
+    client = ElasticClient(store, member=rank, secret=JobSecret(bytes.fromhex(secret)))
+    generation = 1
+    answer = {"status": "ok", "generation": generation, "members": [0, 1]}
+    formed = formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo", torch.device("cpu"),
+                                                store, "auto", 0)
+    try:
+        assert formed.shares_one_host()
+        if rank == 0:
+            time.sleep(0.5)  # member 1 is waiting in shared memory for this one by now
+            client.mark_broken(generation)
+            time.sleep(TIMEOUT_S)  # alive and gone: no liveness check finds it dead
+            return None
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError):
+            formed.allreduce(torch.ones(1000))
+        return time.monotonic() - started
+    finally:
+        formed.close()
+        formation.leave_group(client)
+        client.close()
+
+
+def test_a_wait_in_shared_memory_ends_when_the_generation_breaks_though_the_peer_lives() -> None:
+    """Shared memory finds a dead peer by its pid, but a peer that left a broken generation alive (to
+    form the next) is never dead: the watchdog that cuts the generation's sockets must also end its
+    shared-memory waits, or a survivor waits out the timeout while the others re-form without it
+    (seen in the suite: a death at ``step.reduce``, one survivor still in a bucket's allreduce)."""
+    waited = run_workers(_an_allreduce_through_shared_memory_while_the_other_member_leaves, 2,
+                         JobSecret.generate().hex(), timeout=60)[1]
+    assert waited < TIMEOUT_S / 2, waited

@@ -143,6 +143,13 @@ class Communicator(Collectives):
             self.messages = OrderedExecutor(algorithms.MessageGroup(group), "messages")
         return self.messages
 
+    def abort_waits(self) -> None:
+        """End at once the shared-memory waits in progress on any thread (for the elastic watchdog,
+        when the generation breaks: a peer that left it alive is never found dead there). The
+        generation is unusable after, as it is once broken."""
+        if self.shared_memory is not None:
+            self.shared_memory.group.abort()
+
     def shares_one_host(self) -> bool:
         """Whether every worker is on this host and reduces through shared memory."""
         return self.shared_memory is not None and self.shared_memory.group.cross is None

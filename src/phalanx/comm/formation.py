@@ -334,6 +334,7 @@ def _communicator_for_answer(client: ElasticClient, answer: dict[str, Any], info
     if backend == "gloo":
         made.sockets.update(rendezvous)
     client.track(generation, made.sockets if backend == "gloo" else rendezvous)
+    client.stop_also(generation, made.abort_waits)
     made.membership, made.on_sockets = view, client.track
     try:
         # Nobody goes on before every member's group is whole: a member that died right after its own

@@ -166,6 +166,7 @@ class ElasticClient:
         self._generation = -1
         self._sockets: dict[str, int] = {}
         self._forming_since: dict[str, int] | None = None
+        self._stops: list[Callable[[], None]] = []  # what else ends the tracked generation's waits
         self._aborted = -1
         self._stop = threading.Event()
         self.statements = Statements(store, secret)  # the main thread's
@@ -218,16 +219,28 @@ class ElasticClient:
         """Remember the generation this worker is in now, and its group's connections; while the
         group forms (``forming_since``: the sockets open before), every connection opened since."""
         with self._lock:
+            if generation != self._generation:
+                self._stops = []
             self._generation, self._sockets, self._forming_since = generation, sockets, forming_since
 
+    def stop_also(self, generation: int, stop: Callable[[], None]) -> None:
+        """Call ``stop`` too when ``generation`` is aborted: it ends the waits no socket carries (on
+        shared memory, a peer that left the generation alive is never found dead)."""
+        with self._lock:
+            if generation == self._generation:
+                self._stops.append(stop)
+
     def abort(self, generation: int) -> None:
-        """Shut down the connections of ``generation`` if it is the current one (once)."""
+        """Shut down the connections of ``generation`` if it is the current one (once), and end its
+        other waits."""
         with self._lock:
             if generation < 0 or generation != self._generation or self._aborted == generation:
                 return
             self._aborted = generation
             since = self._forming_since
             shutdown_sockets(self._sockets if since is None else sockets_since(since))
+            for stop in self._stops:
+                stop()
 
     def _watch(self) -> None:
         last_beat = 0.0
