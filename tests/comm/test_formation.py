@@ -92,21 +92,27 @@ def test_a_rank_whose_last_forming_failed_half_way_forms_the_next_group_with_its
     assert max(seconds) < TIMEOUT_S / 2, seconds
 
 
-def _a_later_group_while_the_other_member_is_lost(secret: str) -> float | None:
-    """Both members form generation 1; then member 1 is lost (it stops and the coordinator's verdict
-    is stated), while member 0 makes the generation's group for phalanx's own algorithms."""
+def _form_generation(generation: int, secret: str, transport: str) -> tuple[int, ElasticClient, Any]:
+    """This harness worker's rank, elastic client and communicator once both workers formed
+    ``generation`` as its two members, on one host (the harness's own group left first)."""
     import phalanx as px
 
     rank = px.rank()
-    px.shutdown()  # the harness's group: these ranks form an elastic generation of their own below
-    info = LaunchInfo(source="test", rank=rank, world_size=2, master_port=int(os.environ["MASTER_PORT"]),
-                      store_hosted=True)
+    px.shutdown()
+    info = LaunchInfo(source="test", rank=rank, world_size=2, local_rank=rank, local_world_size=2,
+                      master_port=int(os.environ["MASTER_PORT"]), store_hosted=True)
     store = formation.connect_store(info, TIMEOUT_S)
     client = ElasticClient(store, member=rank, secret=JobSecret(bytes.fromhex(secret)))
-    generation = 1
     answer = {"status": "ok", "generation": generation, "members": [0, 1]}
-    formed = formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo", torch.device("cpu"),
-                                                store, "gloo", 0)
+    return rank, client, formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo",
+                                                            torch.device("cpu"), store, transport, 0)
+
+
+def _a_later_group_while_the_other_member_is_lost(secret: str) -> float | None:
+    """Both members form generation 1; then member 1 is lost (it stops and the coordinator's verdict
+    is stated), while member 0 makes the generation's group for phalanx's own algorithms."""
+    rank, client, formed = _form_generation(1, secret, "gloo")
+    generation = 1
     try:
         if rank == 1:
             time.sleep(0.5)  # member 0 is waiting for this member's address by now
@@ -134,18 +140,8 @@ def _an_allreduce_through_shared_memory_while_the_other_member_leaves(secret: st
     """Both members form generation 1 on one host (shared memory); member 1 starts an allreduce that
     member 0 never joins: member 0 leaves the generation alive (as after a failure it saw first) and
     states it broken."""
-    import phalanx as px
-
-    rank = px.rank()
-    px.shutdown()  # the harness's group: these ranks form an elastic generation of their own below
-    info = LaunchInfo(source="test", rank=rank, world_size=2, local_rank=rank, local_world_size=2,
-                      master_port=int(os.environ["MASTER_PORT"]), store_hosted=True)
-    store = formation.connect_store(info, TIMEOUT_S)
-    client = ElasticClient(store, member=rank, secret=JobSecret(bytes.fromhex(secret)))
+    rank, client, formed = _form_generation(1, secret, "auto")
     generation = 1
-    answer = {"status": "ok", "generation": generation, "members": [0, 1]}
-    formed = formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo", torch.device("cpu"),
-                                                store, "auto", 0)
     try:
         assert formed.shares_one_host()
         if rank == 0:
