@@ -147,11 +147,12 @@ def _an_allreduce_through_shared_memory_while_the_other_member_leaves(secret: st
         if rank == 0:
             time.sleep(0.5)  # member 1 is waiting in shared memory for this one by now
             client.mark_broken(generation)
-            time.sleep(TIMEOUT_S)  # alive and gone: no liveness check finds it dead
+            client.store.wait(["member-1-done"], datetime.timedelta(seconds=TIMEOUT_S))  # alive and gone meanwhile
             return None
         started = time.monotonic()
         with pytest.raises(CollectiveTimeoutError):
             formed.allreduce(torch.ones(1000))
+        client.store.set("member-1-done", "1")
         return time.monotonic() - started
     finally:
         formed.close()
