@@ -249,11 +249,11 @@ class Collectives(Agreeing):
                                   f"{self._size()} ranks, but this rank's tensor has {tensor.shape[0]} rows; "
                                   "pass one length per rank, this rank's its tensor's first dimension.")
         shape = (sum(lengths), *tensor.shape[1:])
-        into = buffer if buffer is not None and _fits(buffer, tensor, shape[0]) else None
-        data = wire.to_bytes(tensor, copy=self._size() == 1 and into is None)
-        whole = wire.to_bytes(into, copy=False) if into is not None else None
+        data = wire.to_bytes(tensor, copy=False)
+        fits = buffer is not None and _fits(buffer, tensor, shape[0])
+        whole = wire.to_bytes(buffer, copy=False) if fits else data.new_empty((shape[0], data.shape[1]))
         if self._size() == 1:
-            return done(wire.from_bytes(data if whole is None else whole.copy_(data), tensor.dtype, shape), async_op)
+            return done(wire.from_bytes(whole.copy_(data), tensor.dtype, shape), async_op)
         shared = self.shared_memory
         if shared is not None and not tensor.is_cuda and not self._scoped():
             return self._allgather_shared(shared, data, lengths, tensor.dtype, shape, async_op, whole)
@@ -263,20 +263,19 @@ class Collectives(Agreeing):
         pieces = [torch.empty_like(padded) for _ in lengths]
 
         def finish() -> torch.Tensor:
-            rows = [piece[:n] for piece, n in zip(pieces, lengths)]
-            return wire.from_bytes(torch.cat(rows) if whole is None else torch.cat(rows, out=whole), tensor.dtype, shape)
+            return wire.from_bytes(torch.cat([piece[:n] for piece, n in zip(pieces, lengths)], out=whole),
+                                   tensor.dtype, shape)
         start = lambda: dist.all_gather(pieces, padded, group=self._group(tensor), async_op=True)  # noqa: E731
         return self._launch("allgather", start, finish, async_op)
 
     def _allgather_exchanged(self, data: torch.Tensor, lengths: Sequence[int], dtype: torch.dtype,
                              shape: tuple[int, ...], async_op: bool,
-                             whole: torch.Tensor | None) -> torch.Tensor | Handle[torch.Tensor]:
+                             whole: torch.Tensor) -> torch.Tensor | Handle[torch.Tensor]:
         """A CPU allgather of rows of bytes as one exchange: this rank's rows go to every other rank
         and theirs arrive straight into place (uneven lengths without padding). Gloo's own allgather
         leaves a link idle between its steps (10.5 MB a rank between two hosts at 1 Gbit/s: 106-125
         against 88 ms)."""
         rank = self._rank()
-        whole = data.new_empty((sum(lengths), data.shape[1])) if whole is None else whole
         places = list(whole.split(list(lengths)))
 
         def start() -> Works:
@@ -288,12 +287,10 @@ class Collectives(Agreeing):
 
     def _allgather_shared(self, shared: OrderedExecutor[shm.SharedMemoryGroup], data: torch.Tensor,
                           lengths: Sequence[int], dtype: torch.dtype, shape: tuple[int, ...],
-                          async_op: bool, whole: torch.Tensor | None) -> torch.Tensor | Handle[torch.Tensor]:
+                          async_op: bool, whole: torch.Tensor) -> torch.Tensor | Handle[torch.Tensor]:
         """An allgather of rows of bytes through shared memory, without Gloo's sockets within a host;
         across hosts only each host's own rows leave it (see :meth:`SharedMemoryGroup.allgather_`)."""
-        row_bytes = data.shape[1]
-        whole = data.new_empty((sum(lengths), row_bytes)) if whole is None else whole
-        byte_lengths = [n * row_bytes for n in lengths]
+        byte_lengths = [n * data.shape[1] for n in lengths]
         work = lambda: shared.group.allgather_(data.view(-1), byte_lengths, whole.view(-1))  # noqa: E731
         return self._on(shared, "allgather (shared memory)", work, lambda _: wire.from_bytes(whole, dtype, shape),
                         async_op)
