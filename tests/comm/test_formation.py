@@ -6,11 +6,12 @@ closed and the store collected before the test ends (see tests/comm/test_connect
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -92,9 +93,10 @@ def test_a_rank_whose_last_forming_failed_half_way_forms_the_next_group_with_its
     assert max(seconds) < TIMEOUT_S / 2, seconds
 
 
-def _form_generation(generation: int, secret: str, transport: str) -> tuple[int, ElasticClient, Any]:
+@contextlib.contextmanager
+def _formed_generation(generation: int, secret: str, transport: str) -> Iterator[tuple[int, ElasticClient, Any]]:
     """This harness worker's rank, elastic client and communicator once both workers formed
-    ``generation`` as its two members, on one host (the harness's own group left first)."""
+    ``generation`` as its two members, on one host (the harness's own group left first); all closed after."""
     import phalanx as px
 
     rank = px.rank()
@@ -104,16 +106,21 @@ def _form_generation(generation: int, secret: str, transport: str) -> tuple[int,
     store = formation.connect_store(info, TIMEOUT_S)
     client = ElasticClient(store, member=rank, secret=JobSecret(bytes.fromhex(secret)))
     answer = {"status": "ok", "generation": generation, "members": [0, 1]}
-    return rank, client, formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo",
-                                                            torch.device("cpu"), store, transport, 0)
+    formed = formation._communicator_for_answer(client, answer, info, TIMEOUT_S, "gloo", torch.device("cpu"),
+                                                store, transport, 0)
+    try:
+        yield rank, client, formed
+    finally:
+        formed.close()
+        formation.leave_group(client)
+        client.close()
 
 
 def _a_later_group_while_the_other_member_is_lost(secret: str) -> float | None:
     """Both members form generation 1; then member 1 is lost (it stops and the coordinator's verdict
     is stated), while member 0 makes the generation's group for phalanx's own algorithms."""
-    rank, client, formed = _form_generation(1, secret, "gloo")
     generation = 1
-    try:
+    with _formed_generation(generation, secret, "gloo") as (rank, client, formed):
         if rank == 1:
             time.sleep(0.5)  # member 0 is waiting for this member's address by now
             client.mark_broken(generation)
@@ -122,10 +129,6 @@ def _a_later_group_while_the_other_member_is_lost(secret: str) -> float | None:
         with pytest.raises((RuntimeError, CollectiveTimeoutError)):
             formed.message_executor()
         return time.monotonic() - started
-    finally:
-        formed.close()
-        formation.leave_group(client)
-        client.close()
 
 
 def test_a_group_made_later_in_a_generation_that_loses_a_member_fails_at_once() -> None:
@@ -140,9 +143,8 @@ def _an_allreduce_through_shared_memory_while_the_other_member_leaves(secret: st
     """Both members form generation 1 on one host (shared memory); member 1 starts an allreduce that
     member 0 never joins: member 0 leaves the generation alive (as after a failure it saw first) and
     states it broken."""
-    rank, client, formed = _form_generation(1, secret, "auto")
     generation = 1
-    try:
+    with _formed_generation(generation, secret, "auto") as (rank, client, formed):
         assert formed.shares_one_host()
         if rank == 0:
             time.sleep(0.5)  # member 1 is waiting in shared memory for this one by now
@@ -154,10 +156,6 @@ def _an_allreduce_through_shared_memory_while_the_other_member_leaves(secret: st
             formed.allreduce(torch.ones(1000))
         client.store.set("member-1-done", "1")
         return time.monotonic() - started
-    finally:
-        formed.close()
-        formation.leave_group(client)
-        client.close()
 
 
 def test_a_wait_in_shared_memory_ends_when_the_generation_breaks_though_the_peer_lives() -> None:
