@@ -104,3 +104,31 @@ def test_consecutive_small_siblings_share_a_block_and_train_as_the_plain_model(m
     assert started == ["0 .. 1", "3", "4", "6 .. 7", "3", "0 .. 1"]  # the last two kept for the backward
     assert len(still_gathered) == 2 and not any("6 .. 7" in names for names in still_gathered)  # freed once
     # both its modules' gradients were in, not at the backward's end
+
+
+def test_a_small_block_joins_its_neighbour_and_trains_as_the_plain_model(monkeypatch) -> None:
+    """A classifier head after a container of layers (no sibling to share a block with) joins the
+    block before it, and a small first block the one after it: a gather and a reduce-scatter fewer."""
+    torch.manual_seed(0)
+    head_last = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Linear(8, 1, bias=False))
+    reference = copy.deepcopy(head_last)
+    hooks = _gathering(head_last, threshold_mb=0.0005)  # 524 bytes: a layer 288, the head 32
+    assert [block.name for block in hooks.blocks] == ["0.0", "0.2 .. 1"]
+    started = _counting_gathers(monkeypatch)
+    x = torch.randn(6, 8)
+    for _ in range(2):
+        started.clear()
+        head_last.zero_grad()
+        reference.zero_grad()
+        head_last(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        assert not any(block.gathered for block in hooks.blocks)
+        for (name, param), plain in zip(head_last.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    assert started == ["0.0", "0.2 .. 1"]  # two blocks, both kept for the backward
+
+    first_small = nn.Sequential(nn.Linear(1, 8, bias=False), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+    assert [block.name for block in _gathering(first_small, threshold_mb=0.0005).blocks] == ["0 .. 1.0", "1.2"]
+    # joined, it would hold 572 bytes, over the limit and its sixteenth (557): it stays alone
+    too_large = nn.Sequential(nn.Linear(1, 8, bias=False), nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 8)))
+    assert [block.name for block in _gathering(too_large, threshold_mb=0.0005).blocks] == ["0", "1.0", "1.2"]

@@ -4,8 +4,9 @@ A *block* is a module, or a run of sibling modules, whose parameters are gathere
 model is cut top down: a module of at most ``threshold_mb`` of parameters (or without children) is
 one block; a larger one gives each child its own cut, consecutive children that fit the threshold
 together sharing a block, and keeps the parameters it holds directly in a block gathered around
-its whole forward. A parameter two blocks share (tied embeddings) joins the root's block, gathered
-for the whole forward and backward.
+its whole forward; a block of at most a sixteenth of the threshold that no sibling could join (a
+classifier head after a stack of layers) joins the block before it. A parameter two blocks share
+(tied embeddings) joins the root's block, gathered for the whole forward and backward.
 
 Between uses a block's flat buffers hold no memory; each rank keeps only its chunks (the
 optimizer's parameters). Forward: the pre-forward hook of each of a block's modules waits for its
@@ -40,6 +41,12 @@ logger = logging.getLogger(__name__)
 #: wait for as it starts (the last block is often a small head, too short to hide the next one's),
 #: and no more gathered at once than while a block computes with the next one prefetched.
 KEPT_FOR_BACKWARD = 2
+
+#: A block of at most 1/SMALL_BLOCK of the threshold joins a neighbour (see ``_small_joined``).
+SMALL_BLOCK = 16
+
+#: A block being cut: its modules' names, the modules, and the parameters it holds.
+Chosen = tuple[list[str], list[nn.Module], list[nn.Parameter]]
 
 
 class Block:
@@ -100,7 +107,7 @@ def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list
     for module_name, module in model.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(module_name)
-    chosen: list[tuple[list[str], list[nn.Module], list[nn.Parameter]]] = []
+    chosen: list[Chosen] = []
     taken: set[int] = set()
 
     def size(params: Iterable[nn.Parameter]) -> int:
@@ -119,7 +126,7 @@ def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list
             return
         if params := take(module.parameters(recurse=False)):
             chosen.append(([name], [module], params))
-        run: tuple[list[str], list[nn.Module], list[nn.Parameter]] = ([], [], [])
+        run: Chosen = ([], [], [])
         for child_name, child in children:
             if size(child.parameters()) > limit:
                 if run[2]:
@@ -146,8 +153,28 @@ def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list
         params = (root[0][2] if root else []) + shared
         chosen = [entry for entry in chosen if entry[1] != [model]]
         chosen.insert(0, ([""], [model], params))
+    chosen = _small_joined(chosen, limit, size, model)
     return [Block(modules, _block_name(names), units_of(params, group_of, apart=True))
             for names, modules, params in chosen]
+
+
+def _small_joined(chosen: list[Chosen], limit: float, size: Callable[[Iterable[nn.Parameter]], int],
+                  model: nn.Module) -> list[Chosen]:
+    """Each block of at most 1/:data:`SMALL_BLOCK` of the limit (a classifier head after a stack of
+    layers, which no sibling could join) joins the block before it (the first block, the one after
+    it) where the two stay within the limit and a sixteenth: a gather and a reduce-scatter fewer a
+    step, each a round trip between hosts that costs what a large one does. The block of the whole
+    model's own parameters, gathered for the whole pass, stays apart."""
+    joined: list[Chosen] = []
+    for names, modules, params in chosen:
+        if joined and modules != [model] and joined[-1][1] != [model]:
+            before = size(joined[-1][2])
+            either_small = min(before, size(params)) * SMALL_BLOCK <= limit
+            if either_small and before + size(params) <= limit * (1 + 1 / SMALL_BLOCK):
+                names_before, modules_before, params_before = joined.pop()
+                names, modules, params = names_before + names, modules_before + modules, params_before + params
+        joined.append((names, modules, params))
+    return joined
 
 
 def _block_name(names: list[str]) -> str:
