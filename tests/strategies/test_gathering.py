@@ -132,3 +132,45 @@ def test_a_small_block_joins_its_neighbour_and_trains_as_the_plain_model(monkeyp
     # joined, it would hold 572 bytes, over the limit and its sixteenth (557): it stays alone
     too_large = nn.Sequential(nn.Linear(1, 8, bias=False), nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 8)))
     assert [block.name for block in _gathering(too_large, threshold_mb=0.0005).blocks] == ["0", "1.0", "1.2"]
+
+
+def test_an_attention_larger_than_the_threshold_is_one_block_as_its_forward_reads_its_childs_weight() -> None:
+    """nn.MultiheadAttention passes out_proj's weight to F.multi_head_attention_forward without calling
+    out_proj: cut below it, out_proj's block was never gathered and the forward failed (storage of size 0)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+                          nn.Flatten(), nn.Linear(64, 2))
+    reference = copy.deepcopy(model)
+    hooks = _gathering(model, threshold_mb=0.001)  # 1048 bytes: the attention holds 4352, the layer 8960
+    assert [block.name for block in hooks.blocks] == ["0", "2"]
+    x = torch.randn(3, 4, 16)
+    for _ in range(2):
+        model.zero_grad()
+        reference.zero_grad()
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    model.eval()
+    with torch.no_grad():  # inference: the layer's fast path, where torch takes it, reads every child's weights
+        torch.testing.assert_close(model(x), reference.eval()(x))
+
+    class SelfAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    model = nn.Sequential(SelfAttention(), nn.Flatten(), nn.Linear(64, 2))
+    reference = copy.deepcopy(model)
+    hooks = _gathering(model, threshold_mb=0.001)
+    assert [block.name for block in hooks.blocks] == ["0.attention", "2"]
+    for _ in range(2):
+        model.zero_grad()
+        reference.zero_grad()
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, plain.grad, msg=name)

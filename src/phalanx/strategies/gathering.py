@@ -1,8 +1,8 @@
 """Level 3 of ``px.Sharded``: each block's parameters gathered for its forward and backward, freed after.
 
 A *block* is a module, or a run of sibling modules, whose parameters are gathered together. The
-model is cut top down: a module of at most ``threshold_mb`` of parameters (or without children) is
-one block; a larger one gives each child its own cut, consecutive children that fit the threshold
+model is cut top down: a module of at most ``threshold_mb`` of parameters (or without children, or
+one of :data:`UNCUT`, which use their children's parameters without calling them) is one block; a larger one gives each child its own cut, consecutive children that fit the threshold
 together sharing a block, and keeps the parameters it holds directly in a block gathered around
 its whole forward; a block of at most a sixteenth of the threshold that no sibling could join (a
 classifier head after a stack of layers) joins the block before it. A parameter two blocks share
@@ -44,6 +44,12 @@ KEPT_FOR_BACKWARD = 2
 
 #: A block of at most 1/SMALL_BLOCK of the threshold joins a neighbour (see ``_small_joined``).
 SMALL_BLOCK = 16
+
+#: torch modules whose forward reads their children's parameters without calling the children (a
+#: block's parameters are gathered by its modules' hooks): nn.MultiheadAttention passes
+#: ``out_proj.weight`` to ``F.multi_head_attention_forward``, nn.TransformerEncoderLayer's fast path
+#: (inference) every child's. Each is one block, whatever its size.
+UNCUT = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
 
 #: A block being cut: its modules' names, the modules, and the parameters it holds.
 Chosen = tuple[list[str], list[nn.Module], list[nn.Parameter]]
@@ -101,7 +107,8 @@ def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list
 
     A module within the threshold is gathered whole, and so are consecutive siblings that fit it
     together (a convolution and its batch norm, a run of small layers): one gather instead of one per
-    module, each a round trip between hosts. A larger module is cut among its children."""
+    module, each a round trip between hosts. A larger module is cut among its children, unless its
+    forward reads their parameters without calling them (:data:`UNCUT`)."""
     limit = threshold_mb * 2**20
     owners: dict[int, list[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
@@ -120,7 +127,7 @@ def cut(model: nn.Module, threshold_mb: float, group_of: dict[int, int]) -> list
 
     def visit(name: str, module: nn.Module) -> None:
         children = [(f"{name}.{child}" if name else child, sub) for child, sub in module.named_children()]
-        if size(module.parameters()) <= limit or not children:
+        if size(module.parameters()) <= limit or not children or isinstance(module, UNCUT):
             if params := take(module.parameters()):
                 chosen.append(([name], [module], params))
             return
