@@ -41,6 +41,23 @@ def _counting_gathers(monkeypatch) -> list[str]:
     return started
 
 
+def _trains_as_plain(model: nn.Module, reference: nn.Module, hooks: Gathering, x: torch.Tensor,
+                     started: list[str] | None = None) -> None:
+    """Two passes of ``model`` (gathered by ``hooks``) and of the plain ``reference``: the same
+    gradients each time, and nothing left gathered once a backward ended. ``started``: the gathers
+    launched, cleared before each pass (the last pass's are left)."""
+    for _ in range(2):
+        if started is not None:
+            started.clear()
+        model.zero_grad()
+        reference.zero_grad()
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        assert not any(block.gathered for block in hooks.blocks)
+        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+
+
 def test_a_step_gathers_each_block_for_the_forward_and_all_but_the_last_two_again_for_the_backward(
         monkeypatch) -> None:
     model, reference = _model(), _model()
@@ -91,16 +108,7 @@ def test_consecutive_small_siblings_share_a_block_and_train_as_the_plain_model(m
     still_gathered: list[list[str]] = []  # as block "4"'s weight gets its gradient
     model[4].weight.register_post_accumulate_grad_hook(
         lambda _: still_gathered.append([block.name for block in hooks.blocks if block.gathered]))
-    x = torch.randn(6, 8)
-    for _ in range(2):
-        started.clear()
-        model.zero_grad()
-        reference.zero_grad()
-        model(x).square().sum().backward()
-        reference(x).square().sum().backward()
-        assert not any(block.gathered for block in hooks.blocks)
-        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    _trains_as_plain(model, reference, hooks, torch.randn(6, 8), started)
     assert started == ["0 .. 1", "3", "4", "6 .. 7", "3", "0 .. 1"]  # the last two kept for the backward
     assert len(still_gathered) == 2 and not any("6 .. 7" in names for names in still_gathered)  # freed once
     # both its modules' gradients were in, not at the backward's end
@@ -115,16 +123,7 @@ def test_a_small_block_joins_its_neighbour_and_trains_as_the_plain_model(monkeyp
     hooks = _gathering(head_last, threshold_mb=0.0005)  # 524 bytes: a layer 288, the head 32
     assert [block.name for block in hooks.blocks] == ["0.0", "0.2 .. 1"]
     started = _counting_gathers(monkeypatch)
-    x = torch.randn(6, 8)
-    for _ in range(2):
-        started.clear()
-        head_last.zero_grad()
-        reference.zero_grad()
-        head_last(x).square().sum().backward()
-        reference(x).square().sum().backward()
-        assert not any(block.gathered for block in hooks.blocks)
-        for (name, param), plain in zip(head_last.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    _trains_as_plain(head_last, reference, hooks, torch.randn(6, 8), started)
     assert started == ["0.0", "0.2 .. 1"]  # two blocks, both kept for the backward
 
     first_small = nn.Sequential(nn.Linear(1, 8, bias=False), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
@@ -144,13 +143,7 @@ def test_an_attention_larger_than_the_threshold_is_one_block_as_its_forward_read
     hooks = _gathering(model, threshold_mb=0.001)  # 1048 bytes: the attention holds 4352, the layer 8960
     assert [block.name for block in hooks.blocks] == ["0", "2"]
     x = torch.randn(3, 4, 16)
-    for _ in range(2):
-        model.zero_grad()
-        reference.zero_grad()
-        model(x).square().sum().backward()
-        reference(x).square().sum().backward()
-        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    _trains_as_plain(model, reference, hooks, x)
     model.eval()
     with torch.no_grad():  # inference: the layer's fast path, where torch takes it, reads every child's weights
         torch.testing.assert_close(model(x), reference.eval()(x))
@@ -167,10 +160,4 @@ def test_an_attention_larger_than_the_threshold_is_one_block_as_its_forward_read
     reference = copy.deepcopy(model)
     hooks = _gathering(model, threshold_mb=0.001)
     assert [block.name for block in hooks.blocks] == ["0.attention", "2"]
-    for _ in range(2):
-        model.zero_grad()
-        reference.zero_grad()
-        model(x).square().sum().backward()
-        reference(x).square().sum().backward()
-        for (name, param), plain in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(param.grad, plain.grad, msg=name)
+    _trains_as_plain(model, reference, hooks, x)
