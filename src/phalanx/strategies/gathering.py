@@ -1,12 +1,13 @@
 """Level 3 of ``px.Sharded``: each block's parameters gathered for its forward and backward, freed after.
 
-A *block* is a module, or a run of sibling modules, whose parameters are gathered together. The
-model is cut top down: a module of at most ``threshold_mb`` of parameters (or without children, or
-one of :data:`UNCUT`, which use their children's parameters without calling them) is one block; a larger one gives each child its own cut, consecutive children that fit the threshold
-together sharing a block, and keeps the parameters it holds directly in a block gathered around
-its whole forward; a block of at most a sixteenth of the threshold that no sibling could join (a
-classifier head after a stack of layers) joins the block before it. A parameter two blocks share
-(tied embeddings) joins the root's block, gathered for the whole forward and backward.
+A *block* is a module, or a run of modules, whose parameters are gathered together. The model is
+cut top down: a module of at most ``threshold_mb`` of parameters (or without children, or one of
+:data:`UNCUT`, which use their children's parameters without calling them) is one block; a larger
+one gives each child its own cut, consecutive children that fit the threshold together sharing a
+block, and keeps the parameters it holds directly in a block gathered around its whole forward; a
+block of at most a sixteenth of the threshold that no sibling could join (a classifier head after a
+stack of layers) joins the block before it. A parameter two blocks share (tied embeddings) joins
+the root's block, gathered for the whole forward and backward.
 
 Between uses a block's flat buffers hold no memory; each rank keeps only its chunks (the
 optimizer's parameters). Forward: the pre-forward hook of each of a block's modules waits for its
@@ -56,8 +57,9 @@ Chosen = tuple[list[str], list[nn.Module], list[nn.Parameter]]
 
 
 class Block:
-    """The parameters of one module, or of consecutive sibling modules that fit the threshold together
-    (those no smaller block holds), as units gathered and freed together."""
+    """The parameters of one module, or of consecutive modules that fit the threshold together (those
+    no smaller block holds; siblings, or a small block joined to its neighbour), as units gathered
+    and freed together."""
 
     def __init__(self, modules: list[nn.Module], name: str, units: list[Unit]):
         self.modules, self.name, self.units = modules, name, units
