@@ -140,7 +140,7 @@ def test_an_attention_larger_than_the_threshold_is_one_block_as_its_forward_read
     model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
                           nn.Flatten(), nn.Linear(64, 2))
     reference = copy.deepcopy(model)
-    hooks = _gathering(model, threshold_mb=0.001)  # 1048 bytes: the attention holds 4352, the layer 8960
+    hooks = _gathering(model, threshold_mb=0.001)  # 1048 bytes: the attention holds 4352, the layer 8896
     assert [block.name for block in hooks.blocks] == ["0", "2"]
     x = torch.randn(3, 4, 16)
     _trains_as_plain(model, reference, hooks, x)
