@@ -47,6 +47,7 @@ from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
 from phalanx.parallel.reductions import Reduction
+from phalanx.parallel.weights import ShareWeights, Weights
 from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strategy, held_bytes, one_copy_per_host,
                                      refuse, refuse_parameter_servers_launched, state_per_parameter, wrap)
 from phalanx.strategies.held import HeldOptimizer
@@ -94,6 +95,12 @@ class ShardedReduction(Reduction):
     def agree_order(self, observed: list[int], count: int) -> list[int] | None:
         """The units' order stays: the optimizer's shards are laid out on it."""
         return None
+
+    def weights(self) -> Weights:
+        """Sums are exact, as :class:`~phalanx.parallel.reductions.Average`'s: a step assumes the
+        last one's global count (no count allreduce, a round trip that waits for the slowest rank
+        as the backward starts), rescaled from the trailers where the count changed."""
+        return ShareWeights(predict=True)
 
     def reduce(self, bucket: Bucket) -> Any:
         if not self.scatter:
