@@ -1,7 +1,7 @@
 """An elastic px.fit job for the tests: a CNN with batch norm and dropout in reproducible mode.
 
 Run by ``phalanx run`` (elastic) or as a plain process (the uninterrupted reference). It writes
-its pid to ``--pids``, rank 0 writes the global step to ``--progress`` after every step, and at
+its pid to ``--pids`` (and there, on SIGUSR1, every thread's stack: ``stacks-PID.txt``), rank 0 writes the global step to ``--progress`` after every step, and at
 the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``. With
 ``--checkpoints`` it also validates every epoch and writes checkpoints there (neither changes the
 weights, so the reference is the same); ``--level L`` trains under ``px.Sharded(level=L)``,
@@ -11,8 +11,10 @@ weights, so the reference is the same); ``--level L`` trains under ``px.Sharded(
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -91,6 +93,8 @@ if __name__ == "__main__":
     parser.add_argument("--transport", default="auto", help="px.init(transport=...): gloo keeps no shared memory")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    stacks = open(args.pids / f"stacks-{os.getpid()}.txt", "w")  # SIGUSR1: every thread's stack (an overrun job)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     px.init(transport=args.transport)
     joining = px.elastic.membership() is None if px.elastic.enabled() else False
     (args.pids / (f"joiner-{os.getpid()}.pid" if joining else f"{px.rank()}.pid")).write_text(str(os.getpid()))

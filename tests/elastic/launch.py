@@ -116,6 +116,18 @@ class Launch:
             time.sleep(0.05)
         return int(path.read_text())
 
+    def dump_stacks(self) -> None:
+        """Have every live worker write its threads' stacks beside its pid (fit_job.py's SIGUSR1
+        handler; a job without one would die of the signal)."""
+        for path in self.pids.glob("*.pid"):
+            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError, OSError):
+                os.kill(int(path.read_text()), signal.SIGUSR1)
+
+    def stacks(self) -> str:
+        """The stacks the workers dumped, each headed by its file's name."""
+        return "".join(f"---- {path.name} ----\n{path.read_text(errors='replace')}"
+                       for path in sorted(self.pids.glob("stacks-*.txt")) if path.stat().st_size)
+
     def kill(self) -> None:
         """Kill the launcher's session and every worker of the job (workers also die with their launcher)."""
         if self.process.poll() is None:
