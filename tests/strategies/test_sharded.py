@@ -248,7 +248,9 @@ def test_a_worker_holds_its_shard_of_each_level_and_nothing_more_between_steps()
     assert all(worker["grads"] == 0 and worker["buckets"] == 0 and worker["whole"] == 0 for worker in held[3])
 
 
-def _hand_loop(level: int) -> dict[str, torch.Tensor]:
+def _hand_loop(level: int) -> dict[str, Any]:
+    """A loop of one's own that clips every step (the gradient norms are about 0.3): unsharded with
+    torch's clip_grad_norm_, sharded with the optimizer's."""
     model, (x, y) = _model(), _dataset()
     optimizer = _adam(model)
     strategy = px.Sharded(level=level, fusion_threshold_mb=0.001) if level else None
@@ -256,21 +258,28 @@ def _hand_loop(level: int) -> dict[str, torch.Tensor]:
         model, optimizer = strategy.setup(model, optimizer)
     else:
         model = px.DataParallel(model)
+    norms = []
     for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
+        if strategy is None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        else:
+            norms.append(float(optimizer.clip_grad_norm_(0.05)))
         optimizer.step()
     if strategy is not None:
         strategy.finish()  # level 3: the whole parameters back in the model
-    return _weights(model.module)
+    return {"weights": _weights(model.module), "norms": norms}
 
 
-@pytest.mark.parametrize("level", [2, 3])
-def test_a_hand_written_loop_trains_as_with_data_parallel(level: int) -> None:
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_a_hand_written_loop_clips_and_trains_as_with_data_parallel(level: int) -> None:
     unsharded = run_workers(_hand_loop, 3, 0)[0]
-    for weights in run_workers(_hand_loop, 3, level):
-        for name, value in unsharded.items():
-            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+    assert max(unsharded["norms"]) > 0.05  # the clipping binds
+    for sharded in run_workers(_hand_loop, 3, level):
+        assert sharded["norms"] == pytest.approx(unsharded["norms"], rel=1e-5)
+        for name, value in unsharded["weights"].items():
+            torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-5, atol=1e-6)
 
 
 def _resumed(level: int, epochs: int, directory: str, every: int | None = None) -> dict[str, Any]:

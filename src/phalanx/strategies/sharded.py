@@ -168,6 +168,19 @@ class ShardedOptimizer(HeldOptimizer):
         self._collect()
         clipping.clip_parameters((unit.shard for unit in self.units), sum_over_shards=_sum_over_ranks)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient about to be stepped to the 2-norm ``max_norm`` of the whole gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` over the unsharded model would, and return that norm
+        (before clipping). Collective: every rank calls it between ``backward`` and ``step``. At
+        levels 2 and 3 a rank holds only its chunks of the reduced gradient, so torch's own
+        function over ``model.parameters()`` would clip by a norm of the wrong numbers."""
+        if norm_type != 2.0:
+            raise ConfigurationError(f"px.Sharded clips by the 2-norm of the whole gradient; norm_type={norm_type!r} "
+                                     "is not supported: leave norm_type at 2.0.")
+        clipping = Clipping(max_norm=max_norm)
+        self.clip_shards(clipping)
+        return torch.tensor(0.0 if clipping.last_norm is None else clipping.last_norm)
+
     def _whole_gradients(self) -> bool:
         """Whether every rank holds the whole reduced gradient (else only its chunks are summed)."""
         reduction = self._sharded_reduction()
