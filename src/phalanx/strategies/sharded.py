@@ -179,7 +179,8 @@ class ShardedOptimizer(HeldOptimizer):
                                      "is not supported: leave norm_type at 2.0.")
         clipping = Clipping(max_norm=max_norm)
         self.clip_shards(clipping)
-        return torch.tensor(0.0 if clipping.last_norm is None else clipping.last_norm)
+        assert clipping.last_norm is not None  # set by every clip with a max_norm
+        return torch.tensor(clipping.last_norm)
 
     def _whole_gradients(self) -> bool:
         """Whether every rank holds the whole reduced gradient (else only its chunks are summed)."""
