@@ -248,9 +248,9 @@ def test_a_worker_holds_its_shard_of_each_level_and_nothing_more_between_steps()
     assert all(worker["grads"] == 0 and worker["buckets"] == 0 and worker["whole"] == 0 for worker in held[3])
 
 
-def _hand_loop(level: int) -> dict[str, Any]:
-    """A loop of one's own that clips every step (the gradient norms are about 0.3): unsharded with
-    torch's clip_grad_norm_, sharded with the optimizer's."""
+def _hand_loop(level: int, clip: float | None = None) -> dict[str, Any]:
+    """A loop of one's own, clipping every step to ``clip`` if given: unsharded with torch's
+    clip_grad_norm_, sharded with the optimizer's."""
     model, (x, y) = _model(), _dataset()
     optimizer = _adam(model)
     strategy = px.Sharded(level=level, fusion_threshold_mb=0.001) if level else None
@@ -262,10 +262,10 @@ def _hand_loop(level: int) -> dict[str, Any]:
     for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
-        if strategy is None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
-        else:
-            norms.append(float(optimizer.clip_grad_norm_(0.05)))
+        if clip is not None and strategy is None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        elif clip is not None:
+            norms.append(float(optimizer.clip_grad_norm_(clip)))
         optimizer.step()
     if strategy is not None:
         strategy.finish()  # level 3: the whole parameters back in the model
@@ -274,9 +274,9 @@ def _hand_loop(level: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_a_hand_written_loop_clips_and_trains_as_with_data_parallel(level: int) -> None:
-    unsharded = run_workers(_hand_loop, 3, 0)[0]
-    assert max(unsharded["norms"]) > 0.05  # the clipping binds
-    for sharded in run_workers(_hand_loop, 3, level):
+    unsharded = run_workers(_hand_loop, 3, 0, 0.05)[0]
+    assert max(unsharded["norms"]) > 0.05  # the gradient norms are about 0.3: the clipping binds
+    for sharded in run_workers(_hand_loop, 3, level, 0.05):
         assert sharded["norms"] == pytest.approx(unsharded["norms"], rel=1e-5)
         for name, value in unsharded["weights"].items():
             torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-5, atol=1e-6)
@@ -430,7 +430,7 @@ def _compiled(level: int, shared_memory: bool | str = "auto") -> dict[str, Any]:
 def _unsharded_compiled_and_refused() -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """The hand loop unsharded, then compiled at level 2, then compiled at level 3 with each worker its
     own copy of the units, as between hosts (refused: its blocks are freed and gathered by hooks)."""
-    return _hand_loop(0), _compiled(2), _compiled(3, shared_memory=False)
+    return _hand_loop(0)["weights"], _compiled(2), _compiled(3, shared_memory=False)
 
 
 def test_torch_compile_trains_at_level_2_and_is_refused_at_level_3_between_hosts() -> None:
