@@ -279,7 +279,8 @@ class Collectives(Agreeing):
         places = list(whole.split(list(lengths)))
 
         def start() -> Works:
-            places[rank].copy_(data)
+            if places[rank].data_ptr() != data.data_ptr():  # this rank's rows may already lie in place
+                places[rank].copy_(data)
             return Works(algorithms.post_exchange([None if r == rank else data for r in range(len(places))],
                                                   [None if r == rank else place for r, place in enumerate(places)],
                                                   self._group(data), self._next_exchange_tag()))

@@ -218,13 +218,17 @@ class ShardedOptimizer(HeldOptimizer):
                 unit.shard.grad = None
 
     def _gather(self) -> None:
-        """Every rank's updated chunks into every unit's parameters (one all-gather per unit, all in flight)."""
+        """Every rank's updated chunks into every unit's parameters (one all-gather per unit, all in
+        flight), arriving straight into the flat buffers where the transport can (no whole copy of
+        the model allocated and copied each step)."""
         if runtime.size() == 1:
             return
-        handles = [collectives.allgather(unit.shard.detach(), async_op=True, check=False, lengths=unit.lengths)
-                   for unit in self.units]
+        handles = [collectives.allgather(unit.shard.detach(), async_op=True, check=False, lengths=unit.lengths,
+                                         buffer=unit.flat) for unit in self.units]
         for unit, handle in zip(self.units, handles):
-            unit.flat.copy_(handle.wait())
+            whole = handle.wait()
+            if whole.data_ptr() != unit.flat.data_ptr():
+                unit.flat.copy_(whole)
 
     # --- state dicts in the user's format -------------------------------------------------
 
