@@ -1,8 +1,9 @@
 """An elastic px.fit job for the tests: a CNN with batch norm and dropout in reproducible mode.
 
 Run by ``phalanx run`` (elastic) or as a plain process (the uninterrupted reference). It writes
-its pid to ``--pids`` (and there, on SIGUSR1, every thread's stack: ``stacks-PID.txt``), rank 0 writes the global step to ``--progress`` after every step, and at
-the end rank 0 saves the SHA-256 digest of the final state dict to ``--out``. With
+its pid to ``--pids`` (and there, on SIGUSR1, every thread's stack: ``stacks-PID.txt``), rank 0
+writes the global step to ``--progress`` after every step, and at the end rank 0 saves the SHA-256
+digest of the final state dict to ``--out``. With
 ``--checkpoints`` it also validates every epoch and writes checkpoints there (neither changes the
 weights, so the reference is the same); ``--level L`` trains under ``px.Sharded(level=L)``,
 ``--diloco`` under streaming ``px.DiLoCo`` (outside reproducible mode, which it refuses).
