@@ -7,6 +7,7 @@ and a torch scheduler). Rank 0 saves the state dict to OUT.
 """
 
 import argparse
+import faulthandler
 import os
 import signal
 import threading
@@ -49,6 +50,8 @@ strategy = {"dp": None, "sync": px.ParameterServer("sync"), "async": px.Paramete
 
 if args.kill_server_after is not None and px.role() == "server":
     threading.Timer(args.kill_server_after, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+elif args.kill_server_after is not None:  # a worker the launcher has to stop says where it waited
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
 
 
