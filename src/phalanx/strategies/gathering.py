@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from phalanx.comm import collectives, runtime
+from phalanx.comm.handles import Handle
 from phalanx.strategies.shard_layout import Unit, units_of
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Block:
     def __init__(self, modules: list[nn.Module], name: str, units: list[Unit]):
         self.modules, self.name, self.units = modules, name, units
         self.gathered = True  # laid out whole; freed once the gathering starts
-        self._in_flight: list[Any] = []
+        self._in_flight: list[Handle[torch.Tensor] | None] = []  # one per unit, None in a world of one
         self.in_backward = False  # a gradient reached one of its modules' outputs in this backward
         self.remaining = 0  # parameters still waiting for their gradient in this backward
 
@@ -78,22 +78,15 @@ class Block:
             return
         for unit in self.units:
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            if runtime.size() == 1:
-                self._in_flight.append(None)
-            else:
-                self._in_flight.append(collectives.allgather(unit.shard.detach(), async_op=True, check=False,
-                                                             lengths=unit.lengths, buffer=unit.flat))
+            self._in_flight.append(unit.start_gather())
 
-    @torch.no_grad()
     def wait(self) -> None:
         """Have the parameters whole (launching the gather first if nobody did)."""
         if self.gathered:
             return
         self.launch()
         for unit, handle in zip(self.units, self._in_flight):
-            whole = unit.shard if handle is None else handle.wait()
-            if whole.data_ptr() != unit.flat.data_ptr():  # gathered elsewhere than into the buffer itself
-                unit.flat.copy_(whole)
+            unit.finish_gather(handle)
         self._in_flight, self.gathered = [], True
 
     def free(self) -> None:

@@ -16,7 +16,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from phalanx.comm import runtime
+from phalanx.comm import collectives, runtime
+from phalanx.comm.handles import Handle
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.buckets import plan_buckets
 
@@ -47,6 +48,21 @@ class Unit:
             offset += param.numel()
         if not self.apart:
             self.shard.data = flat[self.own]
+
+    def start_gather(self) -> Handle[torch.Tensor] | None:
+        """Start gathering every rank's chunk into ``flat`` (collective; on the CPU the rows arrive in
+        place); ``None`` in a world of one, where the chunk is the whole."""
+        if runtime.size() == 1:
+            return None
+        return collectives.allgather(self.shard.detach(), async_op=True, check=False, lengths=self.lengths,
+                                     buffer=self.flat)
+
+    @torch.no_grad()
+    def finish_gather(self, handle: Handle[torch.Tensor] | None) -> None:
+        """Wait for :meth:`start_gather`'s gather: ``flat`` holds every rank's chunk."""
+        whole = self.shard if handle is None else handle.wait()
+        if whole.data_ptr() != self.flat.data_ptr():  # gathered elsewhere than into the buffer itself
+            self.flat.copy_(whole)
 
     @property
     def lengths(self) -> list[int]:

@@ -221,14 +221,9 @@ class ShardedOptimizer(HeldOptimizer):
         """Every rank's updated chunks into every unit's parameters (one all-gather per unit, all in
         flight), arriving straight into the flat buffers where the transport can (no whole copy of
         the model allocated and copied each step)."""
-        if runtime.size() == 1:
-            return
-        handles = [collectives.allgather(unit.shard.detach(), async_op=True, check=False, lengths=unit.lengths,
-                                         buffer=unit.flat) for unit in self.units]
+        handles = [unit.start_gather() for unit in self.units]
         for unit, handle in zip(self.units, handles):
-            whole = handle.wait()
-            if whole.data_ptr() != unit.flat.data_ptr():
-                unit.flat.copy_(whole)
+            unit.finish_gather(handle)
 
     # --- state dicts in the user's format -------------------------------------------------
 
