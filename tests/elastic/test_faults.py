@@ -22,7 +22,7 @@ import pytest
 
 from phalanx import faults
 from phalanx.errors import ConfigurationError
-from tests.elastic import fit_job
+from tests.elastic import fit_job, transfer_job
 from tests.elastic.launch import free_port, launched
 
 # (faults, workers, min workers). Every moment, each with the worker most at risk there; to keep
@@ -286,3 +286,24 @@ def test_a_fault_spec_that_names_no_moment_is_refused() -> None:
     assert faults.parse("step.end@1#3,validation@2", member=1) == {"step.end": 3}
     with pytest.raises(ConfigurationError, match="step.ned"):
         faults.parse("step.ned@1", member=1)
+
+
+def test_a_worker_lost_part_way_through_a_large_transfer_is_left_behind_at_once(tmp_path: Path) -> None:
+    """Gloo leaves a send or receive cut part-way by a peer's death waiting until the timeout (60 s
+    here): the survivors must leave the generation when the watchdog aborts it, not then."""
+    args = ["-n", "3", "--min-workers", "2", "--timeout", "60"]
+    with launched(tmp_path, args, ["--die-rank", "1"], job=Path(transfer_job.__file__)) as job:
+        started = time.monotonic()
+        try:
+            code = job.wait(timeout=OVERRUN)
+        except subprocess.TimeoutExpired:
+            job.dump_stacks()
+            code = job.wait(timeout=120)
+            pytest.fail(f"the job took over {OVERRUN}s (exit {code}): a survivor waited for the timeout\n"
+                        f"{job.output()}\n{job.stacks()}")
+        elapsed = time.monotonic() - started
+        assert code == 0, job.output()
+        result = job.result()
+    print(f"exit {code} after {elapsed:.1f}s")
+    assert job.stderr.count("was lost: signal SIGKILL") == 1, job.output()
+    assert (result["steps"], result["size"], len(result["recoveries"])) == (transfer_job.STEPS, 2, 1), result

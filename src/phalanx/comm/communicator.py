@@ -26,6 +26,7 @@ from phalanx.comm.environment import LaunchInfo
 from phalanx.comm.membership import Membership, socket_inodes, sockets_since
 from phalanx.comm.operations import Collectives
 from phalanx.comm.ordered import OrderedExecutor
+from phalanx.comm.waiting import Waits
 from phalanx.errors import ConfigurationError, GenerationClosedError
 
 T = TypeVar("T")
@@ -68,6 +69,8 @@ class Communicator(Collectives):
     #: shared memory on this host (hierarchical across hosts), when the transport is
     shared_memory: OrderedExecutor[shm.SharedMemoryGroup] | None = None
     on_sockets: Callable[[int, dict[str, int]], None] | None = None
+    #: how its works are waited for: abortable where a watchdog may abort the generation (elastic)
+    waits: Waits = dataclasses.field(default_factory=Waits)
     #: the store under the generation's groups (sealed with the job's secret): kept alive while they
     #: live, since torch calls back into it whenever a group is made
     group_store: Any = None
@@ -144,9 +147,11 @@ class Communicator(Collectives):
         return self.messages
 
     def abort_waits(self) -> None:
-        """End at once the shared-memory waits in progress on any thread (for the elastic watchdog,
-        when the generation breaks: a peer that left it alive is never found dead there). The
+        """End at once the waits in progress on any thread (for the elastic watchdog, when the
+        generation breaks: a peer that left it alive is never found dead on shared memory, and Gloo
+        does not end a transfer cut part-way until its timeout; see :mod:`phalanx.comm.waiting`). The
         generation is unusable after, as it is once broken."""
+        self.waits.abort()
         if self.shared_memory is not None:
             self.shared_memory.group.abort()
 
@@ -192,6 +197,7 @@ class Communicator(Collectives):
         for executor in (self.shared_memory, self.messages):
             if executor is not None:
                 executor.close()
+        self.waits.close()
 
 
 def created_by_first(first: bool, key: str, store: Any, timeout_s: float, open_segment: Callable[[bool], Any]) -> Any:

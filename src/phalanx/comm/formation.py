@@ -30,6 +30,7 @@ from phalanx.comm.membership import (START_TIMEOUT_S, ElasticClient, Membership,
                                      sockets_since)
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.sealed_store import sealing
+from phalanx.comm.waiting import Waits
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
 
 
@@ -76,9 +77,11 @@ def _wait_until_listening(address: str, port: int, deadline: float) -> None:
 
 
 def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch.device, *, keys: str,
-                 store: Any = None, generation: int = 0, transport: str = "auto", rendezvous: Any = None) -> Communicator:
+                 store: Any = None, generation: int = 0, transport: str = "auto", rendezvous: Any = None,
+                 abortable: bool = False) -> Communicator:
     """Form the default group (and the transport's) over ``store``, or over ``rendezvous``, a
-    connection of its own that an elastic watchdog may cut when a member is lost meanwhile."""
+    connection of its own that an elastic watchdog may cut when a member is lost meanwhile;
+    ``abortable``: the watchdog may abort the generation, so its waits must end when it does."""
     if info.master_addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = connect_store(info, timeout_s) if store is None else store
@@ -107,7 +110,7 @@ def create_group(info: LaunchInfo, timeout_s: float, backend: str, device: torch
     sockets = sockets_since(before)  # cross-host groups too
     return Communicator(info, timeout_s, backend, device, store=store, cpu_group=cpu_group, generation=generation,
                         prefix=keys, sockets=sockets, transport=transport, shared_memory=executor,
-                        group_store=sealed)
+                        group_store=sealed, waits=Waits(abortable))
 
 
 def _open_shm(info: LaunchInfo, store: Any, keys: str, generation: int, transport: str, backend: str,
@@ -327,7 +330,7 @@ def _communicator_for_answer(client: ElasticClient, answer: dict[str, Any], info
         raise CollectiveTimeoutError(f"forming generation {generation} of the elastic group failed: a member was "
                                      "lost while the group connected.")
     made = create_group(placed, timeout_s, backend, device, keys=keys, store=store, generation=generation,
-                        transport=transport, rendezvous=forming)
+                        transport=transport, rendezvous=forming, abortable=backend == "gloo")
     # The rendezvous connection stays the generation's too: a group it makes later (phalanx's own
     # algorithms') waits on it for every member's address, which a member lost meanwhile never writes.
     rendezvous = {inode: fd for inode, fd in sockets_since(opened).items() if inode not in made.sockets}

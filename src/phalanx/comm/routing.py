@@ -40,7 +40,7 @@ class Routing(Scoped):
             return done(finish(), async_op)
         with self.translate_errors(name):
             work = start()
-        handle = Handle(name, work, finish, self.translate_errors)
+        handle = Handle(name, self.waits.wrap(work), finish, self.translate_errors)
         return handle if async_op else handle.wait()
 
     def _allreduce_routed(self, data: torch.Tensor, op: str, algorithm: str, finish: Callable[[torch.Tensor], T],
@@ -109,13 +109,19 @@ class Routing(Scoped):
 
     def _on(self, executor: OrderedExecutor[Any], name: str, work: Callable[[], S], finish: Callable[[S], T],
             async_op: bool) -> T | Handle[T]:
-        """``finish(work())`` with ``work`` run in ``executor``'s order: now, or as a handle."""
-        if not async_op:
+        """``finish(work())`` with ``work`` run in ``executor``'s order: now, or as a handle. Where the
+        generation's waits are abortable and the call waits on Gloo, a synchronous call waits as an
+        asynchronous one does (run on this thread, a Gloo wait could outlast an abort)."""
+        abortable = self.waits.abortable and _waits_in_gloo(executor)
+        if not async_op and not abortable:
             with self.translate_errors(name):
                 done = executor.run(work)
             return finish(done)
         future = executor.submit(work)
-        return Handle(name, FutureWork(future), lambda: finish(future.result()), self.translate_errors)
+        waited = FutureWork(future)
+        handle = Handle(name, self.waits.wrap(waited) if abortable else waited, lambda: finish(future.result()),
+                        self.translate_errors)
+        return handle if async_op else handle.wait()
 
     def cheapest_algorithm(self, tensor: torch.Tensor) -> str:
         """The algorithm the alpha-beta model predicts fastest for ``tensor``. Measures the link on
@@ -139,3 +145,11 @@ class Routing(Scoped):
         with self.translate_errors("measuring the link"):
             self.links[id(group)] = cost.measure(group)
         return self.links[id(group)]
+
+
+def _waits_in_gloo(executor: OrderedExecutor[Any]) -> bool:
+    """Whether a call on ``executor`` waits on Gloo messages (phalanx's algorithms, or shared memory's
+    crossing between hosts): a wait in shared memory alone ends when its group is aborted."""
+    group = executor.group
+    return isinstance(group, algorithms.MessageGroup) or (isinstance(group, shm.SharedMemoryGroup)
+                                                           and group.cross is not None)

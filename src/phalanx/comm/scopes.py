@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from phalanx.comm import algorithms, cost, failures, shm
 from phalanx.comm.ordered import OrderedExecutor
+from phalanx.comm.waiting import Waits
 from phalanx.errors import ConfigurationError
 
 
@@ -66,6 +67,7 @@ class Scoped:
     shared_memory: OrderedExecutor[shm.SharedMemoryGroup] | None
     links: dict[int, cost.Link]
     exchanges: int
+    waits: Waits
 
     def ensure_open(self, operation: str) -> None:
         raise NotImplementedError
