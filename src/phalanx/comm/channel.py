@@ -3,7 +3,10 @@
 A channel is a two-process Gloo group of its own, formed over the job's rendezvous store, so it
 lives beside the workers' group and is unaffected by it: a worker that dies breaks only its own
 channels, and a worker admitted later opens new ones while the others run. Messages are tensors
-matched by tag; every wait is bounded by the job's timeout, and a failure names the peer.
+matched by tag; every wait is bounded by the job's timeout, and a failure names the peer. A wait
+watches the channel's connection: Gloo leaves a message cut part-way by the peer's death waiting
+until the timeout, but closes the connection, so the wait ends when it sees that
+(:mod:`phalanx.comm.waiting`).
 
 Opening is a handshake through the store: the worker takes a ticket from the server's counter
 and announces itself under it, sealed with the job's secret (:mod:`phalanx.comm.auth`: a ticket
@@ -25,6 +28,8 @@ import torch.distributed as dist
 from phalanx.comm import auth
 from phalanx.comm.connections import own_connection
 from phalanx.comm.sealed_store import sealing
+from phalanx.comm.sockets import any_closed, socket_inodes, sockets_since
+from phalanx.comm.waiting import Waits
 from phalanx.errors import CollectiveTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -46,10 +51,13 @@ class Channel:
         options._timeout = datetime.timedelta(seconds=timeout_s)
         options._devices = [_device()]
         self._sealed = sealing(store, timeout_s)  # alive as long as the group: torch calls back into it
+        before = socket_inodes()
         try:
             self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"{PREFIX}/{ticket}/", self._sealed), rank, 2, options)
         except (RuntimeError, OSError) as error:
             raise ChannelClosed(f"could not connect to {peer} within {timeout_s:.0f}s ({error}).") from error
+        connection = sockets_since(before)
+        self._waits = Waits(abortable=True, broken=lambda: any_closed(connection))
         self._peer_rank = 1 - rank
 
     def send(self, tensors: Sequence[torch.Tensor], tag: int) -> None:
@@ -77,9 +85,7 @@ class Channel:
         """Wait for ``works``; a dead or silent peer becomes :class:`ChannelClosed` naming it."""
         limit = datetime.timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
         try:
-            for work in works:
-                if not work.wait(limit):
-                    raise RuntimeError(f"timed out after {limit.total_seconds():.0f}s")
+            self._waits.wait(_Together(works, limit))
         except RuntimeError as error:
             raise self._closed(operation, error) from error
 
@@ -89,9 +95,25 @@ class Channel:
             self._group.abort()
         except RuntimeError:
             pass
+        self._waits.close()
 
     def _closed(self, operation: str, error: BaseException) -> ChannelClosed:
         return ChannelClosed(f"could not {operation} {self.peer}: {_first_line(error)}")
+
+
+class _Together:
+    """A message's works waited as one, each within ``limit``."""
+
+    def __init__(self, works: list[Any], limit: datetime.timedelta):
+        self.works, self.limit = works, limit
+
+    def wait(self) -> None:
+        for work in self.works:
+            if not work.wait(self.limit):
+                raise RuntimeError(f"timed out after {self.limit.total_seconds():.0f}s")
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def connect(store: Any, server: int, worker: int, timeout_s: float) -> Channel:

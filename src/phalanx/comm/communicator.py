@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from phalanx.comm import algorithms, cost, shm
 from phalanx.comm.environment import LaunchInfo
-from phalanx.comm.membership import Membership, socket_inodes, sockets_since
+from phalanx.comm.membership import Membership
 from phalanx.comm.operations import Collectives
 from phalanx.comm.ordered import OrderedExecutor
+from phalanx.comm.sockets import socket_inodes, sockets_since
 from phalanx.comm.waiting import Waits
 from phalanx.errors import ConfigurationError, GenerationClosedError
 

@@ -26,10 +26,10 @@ from phalanx.comm import shm
 from phalanx.comm.communicator import Communicator, created_by_first
 from phalanx.comm.connections import own_connection
 from phalanx.comm.environment import LaunchInfo
-from phalanx.comm.membership import (START_TIMEOUT_S, ElasticClient, Membership, MembershipClosed, socket_inodes,
-                                     sockets_since)
+from phalanx.comm.membership import START_TIMEOUT_S, ElasticClient, Membership, MembershipClosed
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.sealed_store import sealing
+from phalanx.comm.sockets import socket_inodes, sockets_since
 from phalanx.comm.waiting import Waits
 from phalanx.errors import CollectiveTimeoutError, ConfigurationError, PhalanxError
 

@@ -18,9 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
-import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +26,7 @@ from typing import Any, Callable
 from phalanx import faults
 from phalanx.comm import auth
 from phalanx.comm.connections import own_connection
+from phalanx.comm.sockets import shutdown_sockets, sockets_since
 from phalanx.errors import AuthenticationError, CollectiveTimeoutError, WorkerFailedError
 
 HEARTBEAT_INTERVAL_S = 0.25
@@ -269,52 +267,6 @@ class ElasticClient:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
-
-
-def socket_inodes() -> dict[str, int]:
-    """This process's open sockets as ``{"socket:[inode]": fd}`` (Linux; empty elsewhere)."""
-    found: dict[str, int] = {}
-    if not sys.platform.startswith("linux"):
-        return found
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            found[target] = int(name)
-    return found
-
-
-def sockets_since(before: dict[str, int]) -> dict[str, int]:
-    """The sockets this process opened since ``before`` (a group's connections, for the watchdog)."""
-    return {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
-
-
-def shutdown_sockets(sockets: dict[str, int]) -> None:
-    """Shut down (not close) the connected sockets among ``sockets`` still open under the same fd.
-
-    The owner (Gloo) still closes them; shutting down makes every pending read or write on them
-    fail now, on this side and on the peer's. Listening sockets are left alone.
-    """
-    for inode, fd in sockets.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != inode:
-                continue  # closed meanwhile, the number maybe reused
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.close()
 
 
 def _log_forged(key: str) -> None:

@@ -25,7 +25,8 @@ from phalanx import faults
 from phalanx.comm import auth, cost, devices, formation, shm
 from phalanx.comm.communicator import Attachment, Communicator
 from phalanx.comm.environment import LaunchInfo, detect
-from phalanx.comm.membership import ElasticClient, Membership, shutdown_sockets
+from phalanx.comm.membership import ElasticClient, Membership
+from phalanx.comm.sockets import shutdown_sockets
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.errors import ConfigurationError, NotInitializedError
 
