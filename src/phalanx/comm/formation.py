@@ -24,7 +24,7 @@ import torch.distributed as dist
 from phalanx import faults
 from phalanx.comm import shm
 from phalanx.comm.communicator import Communicator, created_by_first
-from phalanx.comm.connections import own_connection
+from phalanx.comm.connections import CONNECT_TIMEOUT_S, own_connection
 from phalanx.comm.environment import LaunchInfo
 from phalanx.comm.membership import START_TIMEOUT_S, ElasticClient, Membership, MembershipClosed
 from phalanx.comm.ordered import OrderedExecutor
@@ -39,20 +39,24 @@ def connect_store(info: LaunchInfo, timeout_s: float) -> Any:
 
     A client first waits for the store's port to accept a connection, within ``timeout_s``: torch's
     client retries on its own schedule (a 2 s timeout took 4.7 s here) and prints a C++ stack for
-    every try, so an absent store is reported once, in phalanx's words, when the timeout is up."""
+    every try, so an absent store is reported once, in phalanx's words, when the timeout is up. A
+    store that listens is then given at least :data:`CONNECT_TIMEOUT_S` to answer (a loaded host
+    took over 3 s), and the connection the operations' timeout, ``timeout_s``."""
     is_host = info.rank == 0 and not info.store_hosted
     deadline = time.monotonic() + timeout_s
     try:
         if not is_host:
             _wait_until_listening(info.master_addr, info.master_port, deadline)
-        return dist.TCPStore(
+        store = dist.TCPStore(
             info.master_addr,
             info.master_port,
             world_size=None if info.store_hosted else info.world_size,
             is_master=is_host,
-            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), CONNECT_TIMEOUT_S)),
             wait_for_workers=False,
         )
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
     except (RuntimeError, OSError) as error:
         raise CollectiveTimeoutError(
             f"rendezvous on rank {info.rank} failed: could not reach the store at "
