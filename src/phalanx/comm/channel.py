@@ -28,7 +28,7 @@ import torch.distributed as dist
 from phalanx.comm import auth
 from phalanx.comm.connections import own_connection
 from phalanx.comm.sealed_store import sealing
-from phalanx.comm.sockets import any_closed, socket_inodes, sockets_since
+from phalanx.comm.sockets import any_closed, socket_inodes, tcp_connections_since
 from phalanx.comm.waiting import Waits
 from phalanx.errors import CollectiveTimeoutError
 
@@ -56,7 +56,7 @@ class Channel:
             self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"{PREFIX}/{ticket}/", self._sealed), rank, 2, options)
         except (RuntimeError, OSError) as error:
             raise ChannelClosed(f"could not connect to {peer} within {timeout_s:.0f}s ({error}).") from error
-        connection = sockets_since(before)
+        connection = tcp_connections_since(before)
         self._waits = Waits(abortable=True, broken=lambda: any_closed(connection))
         self._peer_rank = 1 - rank
 

@@ -37,6 +37,26 @@ def sockets_since(before: dict[str, int]) -> dict[str, int]:
     return {inode: fd for inode, fd in socket_inodes().items() if inode not in before}
 
 
+def tcp_connections_since(before: dict[str, int]) -> dict[str, int]:
+    """The connected TCP sockets among those opened since ``before``: a Gloo group's pairs, without
+    its device's listening socket or a pipe another thread opened meanwhile."""
+    found = {}
+    for inode, fd in sockets_since(before).items():
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM and \
+                    not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found[inode] = fd
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return found
+
+
 def shutdown_sockets(sockets: dict[str, int]) -> None:
     """Shut down (not close) the connected sockets among ``sockets`` still open under the same fd.
 
