@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -249,27 +250,32 @@ def test_a_worker_holds_its_shard_of_each_level_and_nothing_more_between_steps()
 
 
 def _hand_loop(level: int, clip: float | None = None) -> dict[str, Any]:
-    """A loop of one's own, clipping every step to ``clip`` if given: unsharded with torch's
-    clip_grad_norm_, sharded with the optimizer's."""
+    """A loop of one's own with a torch scheduler on one's own optimizer, clipping every step to
+    ``clip`` if given: unsharded with torch's clip_grad_norm_, sharded with the optimizer's."""
     model, (x, y) = _model(), _dataset()
     optimizer = _adam(model)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     strategy = px.Sharded(level=level, fusion_threshold_mb=0.001) if level else None
     if strategy is not None:
         model, optimizer = strategy.setup(model, optimizer)
     else:
         model = px.DataParallel(model)
     norms = []
-    for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
-        optimizer.zero_grad()
-        F.cross_entropy(model(inputs), targets).backward()
-        if clip is not None and strategy is None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        elif clip is not None:
-            norms.append(float(optimizer.clip_grad_norm_(clip)))
-        optimizer.step()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for inputs, targets in px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH):
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs), targets).backward()
+            if clip is not None and strategy is None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            elif clip is not None:
+                norms.append(float(optimizer.clip_grad_norm_(clip)))
+            optimizer.step()
+            schedule.step()
     if strategy is not None:
         strategy.finish()  # level 3: the whole parameters back in the model
-    return {"weights": _weights(model.module), "norms": norms}
+    return {"weights": _weights(model.module), "norms": norms,
+            "warnings": [str(w.message) for w in warned if "lr_scheduler" in str(w.message)]}
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
@@ -277,6 +283,7 @@ def test_a_hand_written_loop_clips_and_trains_as_with_data_parallel(level: int) 
     unsharded = run_workers(_hand_loop, 3, 0, 0.05)[0]
     assert max(unsharded["norms"]) > 0.05  # the gradient norms are about 0.3: the clipping binds
     for sharded in run_workers(_hand_loop, 3, level, 0.05):
+        assert sharded["warnings"] == []  # the schedule is not told that the optimizer never stepped
         assert sharded["norms"] == pytest.approx(unsharded["norms"], rel=1e-5)
         for name, value in unsharded["weights"].items():
             torch.testing.assert_close(sharded["weights"][name], value, rtol=1e-5, atol=1e-6)
@@ -415,6 +422,7 @@ assert SAMPLES % GLOBAL_BATCH, "the data must end on a short batch"
 def _compiled(level: int, shared_memory: bool | str = "auto") -> dict[str, Any]:
     model, (x, y) = _model(), _dataset()
     optimizer = _adam(model)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)  # as _hand_loop's
     try:
         model, optimizer = px.Sharded(level=level, fusion_threshold_mb=0.001, shared_memory=shared_memory).setup(
             torch.compile(model, backend="eager"), optimizer)
@@ -424,6 +432,7 @@ def _compiled(level: int, shared_memory: bool | str = "auto") -> dict[str, Any]:
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
+        schedule.step()
     return {"weights": _weights(model.module._orig_mod)}
 
 

@@ -48,6 +48,10 @@ class HeldOptimizer:
         if closure is not None:
             raise ConfigurationError(f"{self.strategy}'s optimizer takes no closure: compute the loss before step().")
         self._step()
+        # A torch LR scheduler built on the user's optimizer tells a schedule stepped before its
+        # optimizer by this mark, which its wrapper of the optimizer's own step() sets: that step is
+        # never called here, so without it every schedule warns, wrongly, that its first value is skipped.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _step(self) -> None:
         raise NotImplementedError
