@@ -1,6 +1,7 @@
 """An elastic training job for the tests, run by ``phalanx run``: an MLP over a DistributedLoader.
 
-It trains with ``px.elastic.State`` and ``px.elastic.run`` (the custom-loop API), writes its pid
+It trains with ``px.elastic.State`` and ``px.elastic.run`` (the custom-loop API; ``--sharded LEVEL``:
+px.Sharded's model and optimizer, committed by the strategy), writes its pid
 to ``--pids`` and its progress to ``--progress`` (rank 0, every commit), and at the end rank 0
 saves the final weights, the generation changes it saw and its recoveries to ``--out``.
 ``reference()`` trains the same model on the same global batches in one process.
@@ -125,6 +126,8 @@ def main() -> None:
                         "before its first step, after the job formed")
     parser.add_argument("--watch-world", action="store_true", help="a thread reads px.rank(), px.size() and "
                         "px.is_master() in a loop; each worker writes the worlds it saw to --pids/worlds-PID.json")
+    parser.add_argument("--sharded", type=int, default=0, metavar="LEVEL", help="train with px.Sharded(level=LEVEL)")
+    parser.add_argument("--no-copies", action="store_true", help="px.Sharded(copies=False)")
     args = parser.parse_args()
     holds = {int(step): path for step, path in (hold.split(":", 1) for hold in args.hold)}
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
@@ -136,11 +139,17 @@ def main() -> None:
 
     px.init()
     watching = watch_world(os.path.join(args.pids, f"worlds-{os.getpid()}.json")) if args.watch_world else None
-    model = px.DataParallel(build_model())
-    optimizer = make_optimizer(model)
     loader = DistributedLoader(dataset(), GLOBAL_BATCH, seed=3)
-    state = elastic.State(model=model, optimizer=optimizer, loader=loader, epoch=0, step=0,
-                          checkpoint_path=args.checkpoint)
+    if args.sharded:
+        strategy = px.Sharded(level=args.sharded, copies=not args.no_copies)
+        plain = build_model()
+        model, optimizer = strategy.setup(plain, make_optimizer(plain))
+        committed = strategy.committed(model, optimizer)  # each rank's chunks, laid out again after a re-form
+    else:
+        model = px.DataParallel(build_model())
+        optimizer = make_optimizer(model)
+        committed = {"model": model, "optimizer": optimizer}
+    state = elastic.State(**committed, loader=loader, epoch=0, step=0, checkpoint_path=args.checkpoint)
     changes: list[dict] = []
     communicators = [px.communicator()]  # one per generation seen: each earlier one must refuse to be used
     if args.started_file:  # membership None: started after the job did
@@ -174,6 +183,8 @@ def main() -> None:
     if px.rank() == args.freeze_rank:
         os.kill(os.getpid(), signal.SIGSTOP)
     steps = train(state)
+    if args.sharded:
+        strategy.finish()  # level 3: the whole parameters back in the model
     if px.rank() == 0 and steps is not None:
         torch.save({"weights": model.state_dict(), "changes": changes, "steps": steps, "size": px.size(),
                     "recoveries": [r.__dict__ for r in state.recoveries]}, args.out)

@@ -61,6 +61,35 @@ def test_a_killed_worker_leaves_the_others_training(tmp_path: Path) -> None:
     assert_matches_reference(result["weights"])
 
 
+@pytest.mark.parametrize("level", [1, 3])
+def test_a_sharded_loop_of_ones_own_survives_a_killed_worker(tmp_path: Path, level: int) -> None:
+    """px.Sharded in the job's own loop, its State holding what the strategy commits (each rank's
+    chunks): a re-formed group of 2 lays the units out again and ends at the uninterrupted weights."""
+    with launched(tmp_path, ["-n", "3", "--min-workers", "2", "--timeout", "30"], ["--sharded", str(level)]) as job:
+        pid = job.worker_pid(1)
+        job.wait_for_step(20)
+        os.kill(pid, signal.SIGKILL)
+        assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
+    result = job.result()
+    assert result["size"] == 2 and result["steps"] == 60
+    assert_matches_reference(result["weights"])
+
+
+def test_a_sharded_loop_without_copies_refuses_to_step_on_chunks_it_could_not_rebuild(tmp_path: Path) -> None:
+    """copies=False keeps nothing a re-formed group could rebuild the chunks from, and a loop of one's
+    own reads no checkpoint by itself: its next step refuses, naming what to do, instead of training
+    on stale chunks."""
+    with launched(tmp_path, ["-n", "3", "--min-workers", "2", "--timeout", "30"],
+                  ["--sharded", "2", "--no-copies"]) as job:
+        pid = job.worker_pid(1)
+        job.wait_for_step(10)
+        os.kill(pid, signal.SIGKILL)
+        code = job.wait(JOB_TIMEOUT_S)
+    assert code != 0, job.output()
+    assert "copies=False), so after the re-form this rank's chunks are not the committed ones" in job.stderr, \
+        job.output()
+
+
 def test_other_threads_see_the_last_world_or_the_next_never_one_that_did_not_exist(tmp_path: Path) -> None:
     """A thread that reads px.rank(), px.size() and px.is_master() in a loop while a SIGKILL makes the
     survivors re-form: it sees 3 workers, then 2, one master at a time, never a world of one."""

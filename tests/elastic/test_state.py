@@ -184,3 +184,15 @@ def test_restore_gives_back_the_random_streams_of_the_commit() -> None:
     state.restore()  # the redo of the step draws the same numbers again
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(drawn[0], again[0]) and drawn[1:] == again[1:]
+
+
+def test_a_sharded_optimizer_is_refused_as_a_whole_object_naming_what_to_hold_instead() -> None:
+    """Its state dict would gather the whole state on every rank at each commit, laid out for the old
+    group after a re-form: the State holds what the strategy commits instead."""
+    model = nn.Linear(4, 2)
+    strategy = px.Sharded(level=2)
+    sharded, optimizer = strategy.setup(model, torch.optim.Adam(model.parameters()))
+    with pytest.raises(px.ConfigurationError, match=r"State\(optimizer=\.\.\.\).*\*\*strategy\.committed"):
+        elastic.State(model=sharded, optimizer=optimizer, step=0)
+    state = elastic.State(**strategy.committed(sharded, optimizer), step=0)
+    assert state.step == 0

@@ -91,6 +91,9 @@ class State:
         for name, entry in entries.items():
             if name.startswith("_") or name in _OWN_ATTRIBUTES or hasattr(type(self), name):
                 raise ConfigurationError(f"State(): '{name}' is a reserved name; choose another.")
+            refused = getattr(entry, "whole_commit_refused", None)
+            if callable(refused):
+                raise ConfigurationError(f"State({name}=...): {refused()}.")
             if _is_stateful(entry):
                 objects[name] = entry
             else:

@@ -42,7 +42,7 @@ from torch import nn
 
 from phalanx import tensor_pieces
 from phalanx.comm import collectives, runtime
-from phalanx.errors import ConfigurationError
+from phalanx.errors import CheckpointError, ConfigurationError
 from phalanx.parallel.buckets import DEFAULT_FUSION_THRESHOLD_MB, Bucket
 from phalanx.parallel.clipping import Clipping
 from phalanx.parallel.data_parallel import DataParallel
@@ -141,6 +141,16 @@ class ShardedOptimizer(HeldOptimizer):
         groups = [{**_hyperparameters(group), "params": [u.shard for u in units if u.group == index]}
                   for index, group in enumerate(optimizer.param_groups)]
         self.stepping = _same_kind(optimizer, groups)
+        #: why this rank's chunks are not the committed ones, after a re-formed group could not rebuild
+        #: them (no copies kept, or lost): a step then refuses until a state is loaded
+        self.stale: str | None = None
+
+    def whole_commit_refused(self) -> str:
+        """Why an elastic ``State`` must not hold this optimizer as one object: its state dict gathers
+        the whole state on every rank at each commit, and after a re-form it is laid out for the old group."""
+        return ("px.Sharded's model and optimizer are committed by the strategy, each rank its own chunks: build "
+                "the State with **strategy.committed(model, optimizer) in place of model= and optimizer= "
+                "(docs/sharding.md, 'Elastic jobs')")
 
     def relay(self, units: list[Unit], gathering: Gathering | None, shared: bool) -> None:
         """Step ``units`` from now on (laid out again for a re-formed group), with a fresh instance of
@@ -200,6 +210,11 @@ class ShardedOptimizer(HeldOptimizer):
 
     @torch.no_grad()
     def _step(self) -> None:
+        if self.stale is not None:
+            raise CheckpointError(
+                f"{self.stale}, so after the re-form this rank's chunks are not the committed ones: load a state "
+                "before stepping (optimizer.load_state_dict with the model's weights, from a checkpoint), or train "
+                "with px.fit and a checkpoint_dir, which resumes from the last checkpoint itself.")
         self._collect()
         for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
             mine.update(_hyperparameters(theirs))
@@ -251,6 +266,7 @@ class ShardedOptimizer(HeldOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state (sharded or not, saved at any worker count): this rank keeps its chunks."""
+        self.stale = None
         self.optimizer.load_state_dict({**state_dict, "state": {}})
         for mine, theirs in zip(self.stepping.param_groups, self.optimizer.param_groups):
             mine.update(_hyperparameters(theirs))
@@ -369,16 +385,18 @@ class _Committed:
         self.strategy.lost = None
         if version is None:
             return
-        if version == 0:
-            self.strategy.lost = f"{self.strategy.name} holds no copy of another worker's shards (copies=False)"
-            return
         optimizer = self.optimizer
+        if version == 0:
+            self.strategy.lost = optimizer.stale = (f"{self.strategy.name} holds no copy of another worker's shards "
+                                                    "(copies=False)")
+            return
         optimizer.load_state_dict({**state_dict["hyperparameters"], "state": {}})
         assert self.strategy.copies is not None, "copies are kept wherever a commit made them"
         if not shard_copies.rebuild(self.strategy.copies, version, optimizer.units, optimizer.stepping.state,
                                     self._positions()):
-            self.strategy.lost = (f"{self.strategy.name} lost the copies of commit {version} with the workers that "
-                                  "held them (a worker and its buddy, which kept its chunks, died together)")
+            self.strategy.lost = optimizer.stale = (
+                f"{self.strategy.name} lost the copies of commit {version} with the workers that held them (a worker "
+                "and its buddy, which kept its chunks, died together)")
             return
         self.version = version
         with torch.no_grad():
@@ -527,12 +545,14 @@ class Sharded(Strategy):
         self.resumes_from_disk = copies is False  # set again by check, where the launch is known
         self.lost: str | None = None  # why the last re-formed group could not rebuild the shards in memory
         self.layout = "not set up"  # where the units live, once set up (see _describe_layout)
+        self.checked = False  # px.fit checks its options before setup; a loop of one's own does not
 
     @property
     def name(self) -> str:
         return f"px.Sharded(level={self.level})"
 
     def check(self, options: FitOptions) -> None:
+        self.checked = True
         refuse_parameter_servers_launched(self.name)
         self.reproducible = options.reproducible  # level 3 then keeps the parameters whole during a step
         self.elastic = options.elastic
@@ -550,6 +570,15 @@ class Sharded(Strategy):
                    "(copies=False), so after a worker is lost the group resumes from the last checkpoint on disk: "
                    "give checkpoint_dir.")
         self.copies = shard_copies.Copies() if options.elastic and kept else None
+
+    def _for_own_loop(self) -> None:
+        """Set up for a loop of one's own: in an elastic launch, the copies that an elastic State holding
+        :meth:`committed` keeps at each commit, as in px.fit. Nothing reads a checkpoint for such a loop
+        after a re-form, so where no copy rebuilds the chunks (``copies=False``, or a worker lost with
+        its buddy) the next ``optimizer.step()`` refuses until a state is loaded."""
+        self.elastic = runtime.is_elastic()
+        self.resumes_from_disk = self.may_resume_from_disk = False
+        self.copies = shard_copies.Copies() if self.elastic and self.keep_copies is not False else None
 
     @property  # type: ignore[override]  # Strategy's is a constant; this one follows the generation
     def commit_every(self) -> int:
@@ -574,6 +603,8 @@ class Sharded(Strategy):
         if any(optimizer.state.values()):
             raise ConfigurationError(f"{self.name} needs an optimizer that has not stepped yet: set the strategy up "
                                      "first, then load a saved state with optimizer.load_state_dict.")
+        if not self.checked:
+            self._for_own_loop()
         wrapped = wrap(model)
         # An elastic job sets up outside the elastic protection: no collective here (a death would end
         # the job); the group's first restore lays the units out again, in shared memory where it can.
