@@ -60,12 +60,22 @@ def next_character_loss(logits: torch.Tensor, expected: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.flatten(0, 1), expected.flatten())
 
 
+def held_out_loss() -> float:
+    """The loss on the text's last 64 windows, which training never reads (the whole model, on each worker)."""
+    with torch.no_grad():
+        return next_character_loss(model(held_out[0]), held_out[1]).item()
+
+
+held_out = windows[-64:, :-1], windows[-64:, 1:]
+inputs, targets = inputs[: len(windows) - 64], targets[: len(windows) - 64]
 torch.manual_seed(0)
 model = CharacterModel()
+before = held_out_loss()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 strategy = px.Sharded(level=args.level, fusion_threshold_mb=4) if args.level else None
 history = px.fit(model, optimizer, next_character_loss, (inputs, targets), epochs=args.epochs, global_batch_size=64,
                  strategy=strategy, max_memory_gb=MAX_MEMORY_GB, verbose=0)
-if px.is_master():
+if px.is_master():  # px.fit handed the whole trained model back to every worker
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, level {args.level}, {px.size()} workers: "
-          f"loss {history['loss'][0]:.2f} in epoch 0 -> {history['loss'][-1]:.2f} in epoch {args.epochs - 1}")
+          f"held-out loss {before:.2f} before training -> {held_out_loss():.2f} after {args.epochs} epoch(s) "
+          f"(training loss {history['loss'][0]:.2f} in epoch 0 -> {history['loss'][-1]:.2f} in epoch {args.epochs - 1})")

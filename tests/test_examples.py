@@ -124,5 +124,7 @@ def test_the_sharded_example_trains_at_level_3_and_is_refused_unsharded(tmp_path
     done = warm.run([*command, "--samples", "256", "--epochs", "2"], capture_output=True, text=True, timeout=240,
                     cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    first, last = map(float, re.search(r"loss ([\d.]+) in epoch 0 -> ([\d.]+) in epoch 1", done.stdout).groups())
-    assert last < first, done.stdout
+    before, after, first, last = map(float, re.search(
+        r"held-out loss ([\d.]+) before training -> ([\d.]+) after 2 epoch\(s\) "
+        r"\(training loss ([\d.]+) in epoch 0 -> ([\d.]+) in epoch 1\)", done.stdout).groups())
+    assert after < before and last < first, done.stdout
