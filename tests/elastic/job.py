@@ -128,6 +128,7 @@ def main() -> None:
                         "px.is_master() in a loop; each worker writes the worlds it saw to --pids/worlds-PID.json")
     parser.add_argument("--sharded", type=int, default=0, metavar="LEVEL", help="train with px.Sharded(level=LEVEL)")
     parser.add_argument("--no-copies", action="store_true", help="px.Sharded(copies=False)")
+    parser.add_argument("--central-storage", action="store_true", help="set px.CentralStorage up (refused here)")
     args = parser.parse_args()
     holds = {int(step): path for step, path in (hold.split(":", 1) for hold in args.hold)}
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
@@ -140,6 +141,9 @@ def main() -> None:
     px.init()
     watching = watch_world(os.path.join(args.pids, f"worlds-{os.getpid()}.json")) if args.watch_world else None
     loader = DistributedLoader(dataset(), GLOBAL_BATCH, seed=3)
+    if args.central_storage:
+        plain = build_model()
+        px.CentralStorage().setup(plain, make_optimizer(plain))
     if args.sharded:
         strategy = px.Sharded(level=args.sharded, copies=not args.no_copies)
         plain = build_model()

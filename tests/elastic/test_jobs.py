@@ -90,6 +90,14 @@ def test_a_sharded_loop_without_copies_refuses_to_step_on_chunks_it_could_not_re
         job.output()
 
 
+def test_central_storage_in_an_elastic_loop_of_ones_own_is_refused_as_in_px_fit(tmp_path: Path) -> None:
+    """The optimizer state would live on one rank, which the job could lose: setup refuses, naming it."""
+    with launched(tmp_path, ["-n", "2", "--min-workers", "1", "--timeout", "30"], ["--central-storage"]) as job:
+        code = job.wait(JOB_TIMEOUT_S)
+    assert code != 0, job.output()
+    assert "px.CentralStorage" in job.stderr and "an elastic job" in job.stderr, job.output()
+
+
 def test_other_threads_see_the_last_world_or_the_next_never_one_that_did_not_exist(tmp_path: Path) -> None:
     """A thread that reads px.rank(), px.size() and px.is_master() in a loop while a SIGKILL makes the
     survivors re-form: it sees 3 workers, then 2, one master at a time, never a world of one."""

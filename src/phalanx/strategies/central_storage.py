@@ -88,6 +88,11 @@ class StoredOptimizer(HeldOptimizer):
         self.optimizer.load_state_dict(state_dict if self.is_storage else {**state_dict, "state": {}})
 
 
+def _refuse_elastic() -> None:
+    refuse("px.CentralStorage", "an elastic job", "the optimizer state lives on one rank, which an elastic job could "
+           "lose; use px.DataParallel or px.ParameterServer with --min-workers.")
+
+
 class CentralStorage(Strategy):
     """``px.fit(..., strategy=px.CentralStorage())``: the optimizer state on one rank only.
 
@@ -104,8 +109,7 @@ class CentralStorage(Strategy):
         """Refuse what keeping the optimizer state on one rank cannot do, naming the pair."""
         refuse_parameter_servers_launched("px.CentralStorage")
         if options.elastic:
-            refuse("px.CentralStorage", "an elastic job", "the optimizer state lives on one rank, which an elastic "
-                   "job could lose; use px.DataParallel or px.ParameterServer with --min-workers.")
+            _refuse_elastic()
         refuse_without_replicas("px.CentralStorage", "on one rank", options)
         if self.rank != 0 and options.checkpoint_dir is not None:
             refuse(f"px.CentralStorage(rank={self.rank})", "checkpoint_dir", "checkpoints are written by rank 0, "
@@ -121,7 +125,10 @@ class CentralStorage(Strategy):
         self.shared_memory = shared_memory
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[DataParallel, StoredOptimizer]:
-        """Wrap ``model`` and ``optimizer`` for this worker."""
+        """Wrap ``model`` and ``optimizer`` for this worker (refused in an elastic launch, as ``check``
+        refuses it for px.fit: a loop of one's own does not call ``check``)."""
+        if runtime.is_elastic():
+            _refuse_elastic()
         if self.rank >= runtime.size():
             raise ConfigurationError(f"CentralStorage(rank={self.rank}) but the job has {runtime.size()} worker(s).")
         wrapped = wrap(model)
