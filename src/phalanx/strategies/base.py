@@ -343,7 +343,7 @@ def refuse_parameter_servers_launched(strategy: str) -> None:
     """A job launched with ``--servers`` trains only with ``px.ParameterServer``."""
     if runtime.role() == "worker" and runtime.num_servers():
         raise ConfigurationError(
-            f"the job was launched with parameter servers (--servers), but px.fit trains with {strategy}: pass "
+            f"the job was launched with parameter servers (--servers), but it trains with {strategy}: pass "
             "strategy=px.ParameterServer(), or launch without --servers.")
 
 

@@ -576,6 +576,7 @@ class Sharded(Strategy):
         :meth:`committed` keeps at each commit, as in px.fit. Nothing reads a checkpoint for such a loop
         after a re-form, so where no copy rebuilds the chunks (``copies=False``, or a worker lost with
         its buddy) the next ``optimizer.step()`` refuses until a state is loaded."""
+        refuse_parameter_servers_launched(self.name)
         self.elastic = runtime.is_elastic()
         self.resumes_from_disk = self.may_resume_from_disk = False
         self.copies = shard_copies.Copies() if self.elastic and self.keep_copies is not False else None
