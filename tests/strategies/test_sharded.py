@@ -485,3 +485,62 @@ def test_the_memory_each_level_holds_is_the_parameters_gradients_and_state_it_ke
         assert held_bytes(model, adam, level, workers=4) == per_parameter * parameters
     assert held_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, workers=1) == 8 * parameters
     assert held_bytes(model, torch.optim.Adam(model.parameters(), amsgrad=True), 0, workers=1) == 20 * parameters
+
+
+class _Reversed(nn.Module):
+    """Two layers of one size, called in the order opposite to their registration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.head = nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.first(torch.tanh(self.second(x)))))
+
+
+def _saved_by_rank_0_alone(level: int) -> dict[str, Any]:
+    """DDP's habit: rank 0 alone takes the model's state dict between steps, to save it."""
+    model = _Reversed()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    strategy = px.Sharded(level=level, fusion_threshold_mb=0.0002, shared_memory=False) if level else None
+    wrapped, optimizer = strategy.setup(model, optimizer) if strategy else (px.DataParallel(model), optimizer)
+    x, y = _dataset()
+    saved = None
+    for step, (inputs, targets) in enumerate(px.data.DistributedLoader((x, y), global_batch_size=GLOBAL_BATCH)):
+        optimizer.zero_grad()
+        F.cross_entropy(wrapped(inputs), targets).backward()
+        optimizer.step()
+        if step == 2 and px.rank() == 0:
+            saved = {name: value.clone() for name, value in wrapped.state_dict().items()}
+    if strategy is not None:
+        strategy.finish()
+    return {"saved": saved, "weights": _weights(model)}
+
+
+def test_a_state_dict_rank_0_takes_alone_at_level_3_is_whole_and_changes_no_rank_s_training() -> None:
+    """Its gathers meet the others' next forward, in the forward's order (here not the registration's:
+    in that order the equal blocks' chunks would land in each other's places on the other rank)."""
+    expected = run_workers(_saved_by_rank_0_alone, 2, 0)[0]
+    results = run_workers(_saved_by_rank_0_alone, 2, 3)
+    for name, value in expected["saved"].items():
+        torch.testing.assert_close(results[0]["saved"][name], value, rtol=1e-5, atol=1e-6)
+    for result in results:
+        for name, value in expected["weights"].items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _optimizer_state_by_rank_0_alone() -> None:
+    model = _model()
+    _, optimizer = px.Sharded(level=2).setup(model, _adam(model))
+    if px.rank() == 0:
+        optimizer.state_dict()
+    px.barrier()
+
+
+def test_the_optimizer_state_dict_taken_by_one_rank_alone_is_refused_naming_what_to_do() -> None:
+    """Its gathers would meet the others' collectives (silently, where the sizes agree): the rank
+    alone raises, naming the call and the way, before the others' timeouts."""
+    errors = run_workers(_optimizer_state_by_rank_0_alone, 2, collective_timeout=4, expect_failure=True)
+    assert "optimizer.state_dict() on rank 0: only 1 of 2 ranks called it" in errors[0], errors[0]
+    assert "if px.rank() == 0: torch.save(state, path)" in errors[0], errors[0]

@@ -82,6 +82,8 @@ class Communicator(Collectives):
     #: point-to-point exchanges (CPU reduce-scatters and allgathers) started, counted alike on every
     #: rank: each takes its own tag
     exchanges: int = dataclasses.field(default=0, init=False)
+    #: how often this rank arrived at each name (:meth:`arrive`), counted alike on every rank
+    arrivals: dict[str, int] = dataclasses.field(default_factory=dict, init=False)
     closed: bool = dataclasses.field(default=False, init=False)
     #: what runs first when the generation ends (a layer above stopping its threads on these groups)
     closing: list[Callable[[], None]] = dataclasses.field(default_factory=list, init=False)
@@ -155,6 +157,29 @@ class Communicator(Collectives):
         self.waits.abort()
         if self.shared_memory is not None:
             self.shared_memory.group.abort()
+
+    def arrive(self, name: str, advice: str) -> None:
+        """Wait, through the store, until every rank of the generation has arrived at ``name`` as often
+        as this one: before a call whose collectives no rank may start alone (a call some ranks make
+        while the others run collectives of their own would be matched with theirs, silently where the
+        sizes agree). A rank still without the others after most of the timeout (so that its error,
+        not the others' timeouts, is the first) raises :class:`ConfigurationError` naming ``name``
+        and saying ``advice``."""
+        if self.size == 1 or self.store is None:
+            return
+        count = self.arrivals[name] = self.arrivals.get(name, 0) + 1
+        key = f"{self.prefix}arrive/{name}/{count}"
+        if int(self.store.add(key, 1)) == self.size:
+            self.store.set(f"{key}/all", "1")
+            return
+        waited = max(self.timeout_s * 0.8, min(self.timeout_s, 1.0))
+        try:
+            self.store.wait([f"{key}/all"], datetime.timedelta(seconds=waited))
+        except RuntimeError as error:
+            arrived = int(self.store.add(key, 0))
+            raise ConfigurationError(
+                f"{name} on rank {self.rank}: only {arrived} of {self.size} ranks called it within {waited:.0f}s. "
+                f"It is collective: {advice}") from error
 
     def shares_one_host(self) -> bool:
         """Whether every worker is on this host and reduces through shared memory."""

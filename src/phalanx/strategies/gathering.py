@@ -213,10 +213,14 @@ class Gathering:
         return [unit for block in self.blocks for unit in block.units]
 
     def gather_all(self) -> None:
-        """Every parameter whole (collective): for a state dict, or for the model handed back."""
-        for block in self.blocks:
+        """Every parameter whole (collective): for a state dict, or for the model handed back. In the
+        forward's order, the order of the gathers the other ranks' next forward makes: a state dict
+        that only one rank takes between steps (``if rank == 0: torch.save(model.state_dict())``,
+        the habit from DDP) then meets the same gathers on the others, and its forward gathers nothing."""
+        ordered = [*self._order, *(block for block in self.blocks if block not in self._order)]
+        for block in ordered:
             block.launch()
-        for block in self.blocks:
+        for block in ordered:
             block.wait()
 
     def after_step(self) -> None:

@@ -122,6 +122,11 @@ class _Scattered:
         self.counts.wait()
 
 
+#: What a rank that calls the sharded optimizer's state dict alone is told.
+_EVERY_RANK = ("px.Sharded's optimizer holds a chunk of the state on each rank, so every rank calls it, and one "
+               "saves: state = optimizer.state_dict(); if px.rank() == 0: torch.save(state, path).")
+
+
 class ShardedOptimizer(HeldOptimizer):
     """The user's optimizer, stepped on this rank's chunk of every unit, then the chunks all-gathered.
 
@@ -243,7 +248,9 @@ class ShardedOptimizer(HeldOptimizer):
     # --- state dicts in the user's format -------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The user's optimizer's state dict, every parameter's state whole (collective)."""
+        """The user's optimizer's state dict, every parameter's state whole (collective: a rank that
+        calls it alone raises, naming it, rather than meet the others' collectives)."""
+        runtime.communicator_or_alone().arrive("optimizer.state_dict()", _EVERY_RANK)
         whole = self.optimizer.state_dict()
         position = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         state: dict[int, dict[str, Any]] = {}
