@@ -542,5 +542,28 @@ def test_the_optimizer_state_dict_taken_by_one_rank_alone_is_refused_naming_what
     """Its gathers would meet the others' collectives (silently, where the sizes agree): the rank
     alone raises, naming the call and the way, before the others' timeouts."""
     errors = run_workers(_optimizer_state_by_rank_0_alone, 2, collective_timeout=4, expect_failure=True)
-    assert "optimizer.state_dict() on rank 0: only 1 of 2 ranks called it" in errors[0], errors[0]
+    assert "optimizer.state_dict() on rank 0: only 1 of 2 ranks reached it" in errors[0], errors[0]
     assert "if px.rank() == 0: torch.save(state, path)" in errors[0], errors[0]
+
+
+def _evaluated_by_rank_0_alone() -> None:
+    """DDP's habit: rank 0 alone evaluates, under no_grad, between steps."""
+    model = _model()
+    wrapped, optimizer = px.Sharded(level=3, fusion_threshold_mb=0.0002, shared_memory=False).setup(model, _adam(model))
+    x, y = _dataset()
+    optimizer.zero_grad()
+    F.cross_entropy(wrapped(x[:8]), y[:8]).backward()
+    optimizer.step()
+    if px.rank() == 0:
+        with torch.no_grad():
+            wrapped(x)
+    px.barrier()
+
+
+def test_an_evaluation_rank_0_runs_alone_at_level_3_is_refused_naming_what_to_do() -> None:
+    """Its gathers would meet the others' training gathers (a wrong model, silently, where the sizes
+    agree): a forward without gradients waits for every rank, and the one alone says what to do."""
+    errors = run_workers(_evaluated_by_rank_0_alone, 2, collective_timeout=4, expect_failure=True)
+    assert "a forward without gradients at px.Sharded(level=3) on rank 0: only 1 of 2 ranks reached it" in errors[0], \
+        errors[0]
+    assert "evaluate on every rank" in errors[0], errors[0]

@@ -178,7 +178,7 @@ class Communicator(Collectives):
         except RuntimeError as error:
             arrived = int(self.store.add(key, 0))
             raise ConfigurationError(
-                f"{name} on rank {self.rank}: only {arrived} of {self.size} ranks called it within {waited:.0f}s. "
+                f"{name} on rank {self.rank}: only {arrived} of {self.size} ranks reached it within {waited:.0f}s. "
                 f"It is collective: {advice}") from error
 
     def shares_one_host(self) -> bool:

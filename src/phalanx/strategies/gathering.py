@@ -17,7 +17,9 @@ which starts with them. Backward: the first gradient to reach the outputs of one
 modules gathers it again (and launches the gather of the block before it); once each of its
 parameters has its gradient the block is freed, and whatever is still gathered when the backward
 ends is freed then. Every rank runs the same forward, so every rank issues the same gathers in the
-same order.
+same order; a forward without gradients (an evaluation) first waits through the store for every
+rank, so that one rank evaluating alone is refused, naming it, instead of gathering with the others'
+training gathers.
 
 Reproducible mode runs a different number of micro-batches on each rank, so there the gathers
 cannot follow the passes: the parameters are gathered whole after each optimizer step and kept
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from phalanx.comm import runtime
 from phalanx.comm.handles import Handle
 from phalanx.strategies.shard_layout import Unit, units_of
 
@@ -42,6 +45,11 @@ logger = logging.getLogger(__name__)
 #: wait for as it starts (the last block is often a small head, too short to hide the next one's),
 #: and no more gathered at once than while a block computes with the next one prefetched.
 KEPT_FOR_BACKWARD = 2
+
+#: What a rank that runs a forward without gradients alone is told.
+EVERY_RANK_FORWARDS = ("each block's parameters are gathered from every rank for the forward, so every rank runs it: "
+                       "evaluate on every rank (px.fit's validation does) and report from one, or call "
+                       "strategy.finish() first to have the whole model on every rank.")
 
 #: A block of at most 1/SMALL_BLOCK of the threshold joins a neighbour (see ``_small_joined``).
 SMALL_BLOCK = 16
@@ -271,6 +279,12 @@ class Gathering:
         def hook(module: nn.Module, args: Any) -> None:
             if block not in self._order:
                 self._order.append(block)
+            if not torch.is_grad_enabled() and not self.whole_between_steps and block is self._order[0] \
+                    and module is block.modules[0]:
+                # An evaluation one rank runs alone (DDP's habit) would gather with the others' training
+                # gathers, silently where the sizes agree: every rank must be here first.
+                runtime.communicator_or_alone().arrive("a forward without gradients at px.Sharded(level=3)",
+                                                        EVERY_RANK_FORWARDS)
             block.wait()
             following = self._neighbour(block, +1)
             if following is not None:
