@@ -567,3 +567,23 @@ def test_an_evaluation_rank_0_runs_alone_at_level_3_is_refused_naming_what_to_do
     assert "a forward without gradients at px.Sharded(level=3) on rank 0: only 1 of 2 ranks reached it" in errors[0], \
         errors[0]
     assert "evaluate on every rank" in errors[0], errors[0]
+
+
+def _state_dict_before_training(alone: bool) -> dict[str, torch.Tensor] | None:
+    model = _Reversed()
+    wrapped, _ = px.Sharded(level=3, fusion_threshold_mb=0.0002, shared_memory=False).setup(
+        model, torch.optim.Adam(model.parameters(), lr=LR))
+    taken = wrapped.state_dict() if px.rank() == 0 or not alone else None
+    px.barrier()
+    return taken
+
+
+def test_a_state_dict_before_the_first_step_is_taken_by_every_rank_or_refused_on_the_one_alone() -> None:
+    """Before the first forward its order is unknown, so a lone rank's gathers could not be made to
+    meet the others' first forward: every rank takes it (the initial weights, whole), or the rank
+    alone raises."""
+    for taken in run_workers(_state_dict_before_training, 2, False):
+        for name, value in _Reversed().state_dict().items():
+            assert torch.equal(taken[name], value)
+    errors = run_workers(_state_dict_before_training, 2, True, collective_timeout=4, expect_failure=True)
+    assert "model.state_dict() before the first training step at px.Sharded(level=3) on rank 0" in errors[0], errors[0]

@@ -209,7 +209,7 @@ class Gathering:
             for unit in block.units:
                 for param in unit.params:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_done(block)))
-        self._handles.append(model.register_state_dict_pre_hook(lambda *_: self.gather_all()))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *_: self._whole_for_a_state_dict()))
         self._handles.append(model.register_load_state_dict_pre_hook(lambda *_: self.gather_all()))
         self._handles.append(model.register_load_state_dict_post_hook(lambda *_: self._keep_loaded()))
         if not whole_between_steps:
@@ -230,6 +230,17 @@ class Gathering:
             block.launch()
         for block in ordered:
             block.wait()
+
+    def _whole_for_a_state_dict(self) -> None:
+        """Every parameter whole for a state dict. Before the first forward the forward's order is not
+        known, so the gathers of a state dict one rank takes alone could not be made to meet the
+        others' first forward: then every rank must be here (through the store)."""
+        if not self._order_complete and not self.whole_between_steps:
+            runtime.communicator_or_alone().arrive(
+                "model.state_dict() before the first training step at px.Sharded(level=3)",
+                "it gathers every block from every rank, so before training every rank takes it (after a step, one "
+                "rank may take it alone).")
+        self.gather_all()
 
     def after_step(self) -> None:
         """The chunks changed: gathered copies are stale (gathered afresh when whole between steps)."""
