@@ -129,6 +129,9 @@ def main() -> None:
     parser.add_argument("--sharded", type=int, default=0, metavar="LEVEL", help="train with px.Sharded(level=LEVEL)")
     parser.add_argument("--no-copies", action="store_true", help="px.Sharded(copies=False)")
     parser.add_argument("--central-storage", action="store_true", help="set px.CentralStorage up (refused here)")
+    parser.add_argument("--state-dicts-from", type=int, default=0, metavar="STEP",
+                        help="from STEP on every rank takes the optimizer's state dict after each step; member 2 "
+                        "(the first rank 1) dies (SIGKILL) just before its first, the others waiting for it")
     args = parser.parse_args()
     holds = {int(step): path for step, path in (hold.split(":", 1) for hold in args.hold)}
     with open(os.path.join(args.pids, f"{os.environ['PHALANX_RANK']}.pid"), "w") as handle:
@@ -168,6 +171,10 @@ def main() -> None:
                 F.mse_loss(model(x), y).backward()
                 optimizer.step()
                 state.step += 1
+                if args.state_dicts_from and state.step >= args.state_dicts_from:
+                    if os.environ["PHALANX_RANK"] == "1":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    optimizer.state_dict()
                 time.sleep(args.step_sleep)
                 state.commit()
                 view = elastic.membership() or elastic.Membership(0, px.rank(), px.size(), ())  # static launch

@@ -90,6 +90,23 @@ def test_a_sharded_loop_without_copies_refuses_to_step_on_chunks_it_could_not_re
         job.output()
 
 
+def test_a_worker_lost_while_the_others_wait_for_it_at_a_sharded_state_dict_is_left_behind_at_once(
+        tmp_path: Path) -> None:
+    """The sharded optimizer's state dict first waits, through the store, for every rank: a member lost
+    before it arrives must end that wait with its generation, as any collective's, not after most of
+    the timeout with an error that ends the job."""
+    with launched(tmp_path, ["-n", "3", "--min-workers", "2", "--timeout", "30"],
+                  ["--sharded", "2", "--state-dicts-from", "10"]) as job:
+        started = time.monotonic()
+        assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
+        elapsed = time.monotonic() - started
+    assert job.stderr.count("was lost: signal SIGKILL") == 1, job.output()
+    assert elapsed < 20, f"the job took {elapsed:.0f}s: the survivors waited out the arrival\n{job.output()}"
+    result = job.result()
+    assert result["size"] == 2 and result["steps"] == 60
+    assert_matches_reference(result["weights"])
+
+
 def test_central_storage_in_an_elastic_loop_of_ones_own_is_refused_as_in_px_fit(tmp_path: Path) -> None:
     """The optimizer state would live on one rank, which the job could lose: setup refuses, naming it."""
     with launched(tmp_path, ["-n", "2", "--min-workers", "1", "--timeout", "30"], ["--central-storage"]) as job:

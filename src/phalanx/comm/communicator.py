@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -28,9 +29,14 @@ from phalanx.comm.operations import Collectives
 from phalanx.comm.ordered import OrderedExecutor
 from phalanx.comm.sockets import socket_inodes, sockets_since
 from phalanx.comm.waiting import Waits
-from phalanx.errors import ConfigurationError, GenerationClosedError
+from phalanx.errors import CollectiveTimeoutError, ConfigurationError, GenerationClosedError
 
 T = TypeVar("T")
+
+#: How :meth:`Communicator.arrive` paces its questions to the store: from the first pause, doubling
+#: to the last (an abort or the others' arrival is then seen within 20 ms).
+ARRIVAL_FIRST_PAUSE_S = 0.0002
+ARRIVAL_LAST_PAUSE_S = 0.02
 
 
 class Attachment(Generic[T]):
@@ -164,22 +170,33 @@ class Communicator(Collectives):
         while the others run collectives of their own would be matched with theirs, silently where the
         sizes agree). A rank still without the others after most of the timeout (so that its error,
         not the others' timeouts, is the first) raises :class:`ConfigurationError` naming ``name``
-        and saying ``advice``."""
+        and saying ``advice``; one whose generation is aborted meanwhile (an elastic job lost a
+        member) raises :class:`CollectiveTimeoutError` at once, as its other waits do.
+
+        It asks the store (``check``) rather than waiting on it: a wait cut into slices, to see an
+        abort, would have torch print a warning for every slice. The pause between asks grows from
+        0.2 ms, so ranks that arrive together pass at once."""
         if self.size == 1 or self.store is None:
             return
         count = self.arrivals[name] = self.arrivals.get(name, 0) + 1
         key = f"{self.prefix}arrive/{name}/{count}"
+        everyone = f"{key}/all"
         if int(self.store.add(key, 1)) == self.size:
-            self.store.set(f"{key}/all", "1")
+            self.store.set(everyone, "1")
             return
         waited = max(self.timeout_s * 0.8, min(self.timeout_s, 1.0))
-        try:
-            self.store.wait([f"{key}/all"], datetime.timedelta(seconds=waited))
-        except RuntimeError as error:
-            arrived = int(self.store.add(key, 0))
-            raise ConfigurationError(
-                f"{name} on rank {self.rank}: only {arrived} of {self.size} ranks reached it within {waited:.0f}s. "
-                f"It is collective: {advice}") from error
+        deadline, pause = time.monotonic() + waited, ARRIVAL_FIRST_PAUSE_S
+        while not self.store.check([everyone]):
+            if self.waits.aborted is not None:
+                raise CollectiveTimeoutError(f"{name} on rank {self.rank} of {self.size} failed: the wait for every "
+                                             f"rank was aborted ({self.waits.aborted}).")
+            if time.monotonic() > deadline:
+                arrived = int(self.store.add(key, 0))
+                raise ConfigurationError(
+                    f"{name} on rank {self.rank}: only {arrived} of {self.size} ranks reached it within "
+                    f"{waited:.0f}s. It is collective: {advice}")
+            time.sleep(pause)
+            pause = min(2 * pause, ARRIVAL_LAST_PAUSE_S)
 
     def shares_one_host(self) -> bool:
         """Whether every worker is on this host and reduces through shared memory."""

@@ -52,6 +52,11 @@ class Waits:
         self._helpers: list[_Helper] = []
         self._own = threading.local()
 
+    @property
+    def aborted(self) -> str | None:
+        """Why the waits were aborted, once they were (``None`` until then)."""
+        return self._aborted
+
     def wrap(self, work: Work) -> Work:
         """``work`` as its handle waits for it: itself, or (abortable) one whose wait :meth:`abort` ends."""
         return _Abortable(work, self) if self.abortable else work
