@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from phalanx.comm import auth
 from phalanx.comm.connections import own_connection
+from phalanx.comm.handles import Works
 from phalanx.comm.sealed_store import sealing
 from phalanx.comm.sockets import any_closed, socket_inodes, tcp_connections_since
 from phalanx.comm.waiting import Waits
@@ -85,7 +86,7 @@ class Channel:
         """Wait for ``works``; a dead or silent peer becomes :class:`ChannelClosed` naming it."""
         limit = datetime.timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
         try:
-            self._waits.wait(_Together(works, limit))
+            self._waits.wait(Works(works, limit))
         except RuntimeError as error:
             raise self._closed(operation, error) from error
 
@@ -99,21 +100,6 @@ class Channel:
 
     def _closed(self, operation: str, error: BaseException) -> ChannelClosed:
         return ChannelClosed(f"could not {operation} {self.peer}: {_first_line(error)}")
-
-
-class _Together:
-    """A message's works waited as one, each within ``limit``."""
-
-    def __init__(self, works: list[Any], limit: datetime.timedelta):
-        self.works, self.limit = works, limit
-
-    def wait(self) -> None:
-        for work in self.works:
-            if not work.wait(self.limit):
-                raise RuntimeError(f"timed out after {self.limit.total_seconds():.0f}s")
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def connect(store: Any, server: int, worker: int, timeout_s: float) -> Channel:

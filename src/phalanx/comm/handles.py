@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Any, Callable, Generic, TypeVar
 
 S = TypeVar("S")
@@ -51,14 +52,18 @@ class FutureWork:
 
 
 class Works:
-    """Several works (the sends and receives of one exchange) waited as one."""
+    """Several works (the sends and receives of one exchange, or of one message) waited as one, each
+    within ``limit`` where one is given (else the group's timeout)."""
 
-    def __init__(self, works: list[Any]):
-        self._works = works
+    def __init__(self, works: list[Any], limit: datetime.timedelta | None = None):
+        self._works, self._limit = works, limit
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            if self._limit is None:
+                work.wait()
+            elif not work.wait(self._limit):
+                raise RuntimeError(f"timed out after {self._limit.total_seconds():.0f}s")
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
