@@ -8,9 +8,11 @@ taken before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+from typing import Iterator
 
 
 def socket_inodes() -> dict[str, int]:
@@ -42,18 +44,10 @@ def tcp_connections_since(before: dict[str, int]) -> dict[str, int]:
     its device's listening socket or a pipe another thread opened meanwhile."""
     found = {}
     for inode, fd in sockets_since(before).items():
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM and \
-                    not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        with _borrowed(fd) as sock:
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) and \
+                    sock.type == socket.SOCK_STREAM and not _listening(sock):
                 found[inode] = fd
-        except OSError:
-            pass
-        finally:
-            sock.close()
     return found
 
 
@@ -64,29 +58,46 @@ def shutdown_sockets(sockets: dict[str, int]) -> None:
     fail now, on this side and on the peer's. Listening sockets are left alone.
     """
     for inode, fd in sockets.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != inode:
-                continue  # closed meanwhile, the number maybe reused
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        if not _still_open(inode, fd):
             continue
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.close()
+        with _borrowed(fd) as sock:
+            if sock is not None and not _listening(sock):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
 
 def any_closed(sockets: dict[str, int]) -> bool:
     """Whether any of ``sockets`` (as :func:`socket_inodes` lists them) has been closed since: Gloo
     closes a pair's connection when the pair fails (its peer died), the sign that a transfer it cut
     part-way will wait for nothing but the timeout."""
-    for inode, fd in sockets.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != inode:
-                return True  # closed, the number maybe reused
-        except OSError:
-            return True
-    return False
+    return not all(_still_open(inode, fd) for inode, fd in sockets.items())
+
+
+def _still_open(inode: str, fd: int) -> bool:
+    """Whether ``fd`` is still the socket ``inode`` (not closed, its number not reused since)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == inode
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
+    """A socket object over a duplicate of ``fd`` (``None`` where there is none to have), closed after:
+    the owner's descriptor is left as it is."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        yield None
+        return
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def _listening(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return True  # nothing to do with a socket that cannot say
