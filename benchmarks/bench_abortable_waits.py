@@ -15,14 +15,15 @@ step time of each and the ratio (abortable / backend's own: above 1 is the cost)
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ddp import MODEL_SPECS, alternating, build_model, paired_table, run_as_job  # noqa: E402
+
+BATCH = 64  # per worker
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -30,55 +31,44 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(HERE))
-    import bench_ddp
     import phalanx as px
     from phalanx.comm.waiting import Waits
 
     px.init(transport=args.transport)
     communicator = px.communicator()
     assert communicator.waits.abortable, "an elastic job over Gloo waits abortably"
-    ways = {"abortable": communicator.waits, "backend": Waits()}
-    times: dict[tuple[str, str], list[float]] = {}
+    ways = {"backend": Waits(), "abortable": communicator.waits}
+
+    def timed(way: str, run: Callable[[], object], count: int) -> float:
+        """Milliseconds per call of ``run``, the generation waiting ``way`` meanwhile."""
+        communicator.waits = ways[way]
+        px.barrier()
+        started = time.perf_counter()
+        for _ in range(count):
+            run()
+        return (time.perf_counter() - started) / count * 1e3
+
+    rows = []
     torch.manual_seed(0)
     for name in args.models.split(","):
-        model = px.DataParallel(bench_ddp.build_model(name))
+        model = px.DataParallel(build_model(name))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        shape = {"mlp": (64, 1024), "cnn": (64, 3, 32, 32), "transformer": (64, 32, 128)}[name]
-        x, y = torch.randn(*shape), torch.randint(0, 10, (64,))
-        for _ in range(3):  # warm-up: buckets laid out, caches filled
+        x, y = torch.randn(BATCH, *MODEL_SPECS[name]["input"]), torch.randint(0, 10, (BATCH,))
+
+        def steps() -> None:
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
-        for rep in range(args.reps):
-            order = list(ways) if rep % 2 == 0 else list(reversed(ways))
-            for way in order:
-                communicator.waits = ways[way]
-                px.barrier()
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    optimizer.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
-                    optimizer.step()
-                times.setdefault((name, way), []).append((time.perf_counter() - started) / args.steps * 1e3)
+
+        for _ in range(3):  # warm-up: buckets laid out, caches filled
+            steps()
+        rows.append((name, alternating(args.reps, list(ways), lambda way: timed(way, steps, args.steps))))
     small = torch.ones(256)
-    for rep in range(args.reps):
-        for way in (list(ways) if rep % 2 == 0 else list(reversed(ways))):
-            communicator.waits = ways[way]
-            px.barrier()
-            started = time.perf_counter()
-            for _ in range(200):
-                px.allreduce(small)
-            times.setdefault(("allreduce 1 KB", way), []).append((time.perf_counter() - started) / 200 * 1e3)
+    rows.append(("allreduce 1 KB", alternating(args.reps, list(ways), lambda way: timed(way, lambda: px.allreduce(small),
+                                                                                        200))))
     communicator.waits = ways["abortable"]
     if px.rank() == 0:
-        print(f"| {px.size()} workers, transport {args.transport} | backend's wait (ms) | abortable (ms) | ratio |")
-        print("|---|---|---|---|")
-        for name in [*args.models.split(","), "allreduce 1 KB"]:
-            own, abortable = times[(name, "backend")], times[(name, "abortable")]
-            ratios = [a / b for a, b in zip(abortable, own)]
-            print(f"| {name} | {statistics.median(own):.3f} | {statistics.median(abortable):.3f} | "
-                  f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}] |", flush=True)
+        print(paired_table(f"{px.size()} workers, transport {args.transport}", "backend", "abortable", rows), flush=True)
     px.shutdown()
 
 
@@ -94,12 +84,8 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent / "src"),
-                                                                      os.environ.get("PYTHONPATH", "")]))}
-    command = [sys.executable, "-m", "phalanx", "run", "-n", str(args.workers), "--min-workers", "1", __file__,
-               "--worker", "--reps", str(args.reps), "--steps", str(args.steps), "--models", args.models,
-               "--transport", args.transport]
-    return subprocess.call(command, env=env)
+    return run_as_job(__file__, args.workers, ["--reps", str(args.reps), "--steps", str(args.steps), "--models",
+                                               args.models, "--transport", args.transport], elastic=True)
 
 
 if __name__ == "__main__":

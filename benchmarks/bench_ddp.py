@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 SWEEP_THRESHOLDS = ["0", "1", "4", "16", "25", "64", "inf", "auto"]
 
@@ -420,6 +420,38 @@ def _fmt_ratio(ratios: list[float]) -> str:
         return "-"
     median, low, high = _quartiles(ratios)
     return f"{median:.3f} [{low:.3f}..{high:.3f}]"
+
+
+def alternating(reps: int, ways: list[str], measure: Callable[[str], float]) -> dict[str, list[float]]:
+    """``measure(way)`` of every way in each repetition, in the opposite order every other one: a paired
+    comparison inside one job, for a benchmark that switches something within the same processes."""
+    measured: dict[str, list[float]] = {way: [] for way in ways}
+    for rep in range(reps):
+        for way in (ways if rep % 2 == 0 else ways[::-1]):
+            measured[way].append(measure(way))
+    return measured
+
+
+def paired_table(caption: str, reference: str, other: str, rows: list[tuple[str, dict[str, list[float]]]]) -> str:
+    """The markdown table of paired comparisons (``rows``: a name and what :func:`alternating` measured):
+    per row both medians in ms, then ``other / reference`` per repetition as its median [min..max]."""
+    lines = [f"| {caption} | {reference} (ms) | {other} (ms) | ratio |", "|---|---|---|---|"]
+    for name, measured in rows:
+        ratios = [o / r for r, o in zip(measured[reference], measured[other])]
+        lines.append(f"| {name} | {statistics.median(measured[reference]):.3f} | "
+                     f"{statistics.median(measured[other]):.3f} | {statistics.median(ratios):.3f} "
+                     f"[{min(ratios):.3f}..{max(ratios):.3f}] |")
+    return "\n".join(lines)
+
+
+def run_as_job(script: str, workers: int, arguments: list[str], elastic: bool = False) -> int:
+    """Run ``script --worker ARGUMENTS`` as one ``phalanx run`` job of ``workers`` (elastic: with
+    ``--min-workers 1``), this checkout's phalanx first on the path; the job's exit code."""
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH", "")]))}
+    command = [sys.executable, "-m", "phalanx", "run", "-n", str(workers), *(["--min-workers", "1"] if elastic else []),
+               script, "--worker", *arguments]
+    return subprocess.call(command, env=env)
 
 
 def print_table(title: str, report: dict[str, Any], quiet_max: float) -> None:

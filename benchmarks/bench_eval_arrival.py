@@ -14,57 +14,49 @@ prints the median forward time of each and the ratio (with / without: above 1 is
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ddp import MODEL_SPECS, alternating, build_model, paired_table, run_as_job  # noqa: E402
+
+BATCH = 64  # per worker
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(HERE))
-    import bench_ddp
     import phalanx as px
     from phalanx.comm.communicator import Communicator
 
     px.init()
-    arrive = Communicator.arrive
-    ways = {"with": arrive, "none": lambda self, name, advice: None}
+    ways = {"none": lambda self, name, advice: None, "with": Communicator.arrive}
+
+    def timed(way: str) -> float:
+        """Milliseconds per evaluation forward, the arrival being ``way`` meanwhile (on every rank)."""
+        Communicator.arrive = ways[way]  # type: ignore[method-assign]
+        px.barrier()
+        started = time.perf_counter()
+        for _ in range(10):
+            wrapped(x)
+        return (time.perf_counter() - started) / 10 * 1e3
+
     rows = []
     for name in args.models.split(","):
         torch.manual_seed(0)
-        model = bench_ddp.build_model(name)
+        model = build_model(name)
         strategy = px.Sharded(level=3, shared_memory=False)
         wrapped, _ = strategy.setup(model, torch.optim.Adam(model.parameters()))
-        shape = {"mlp": (64, 1024), "cnn": (64, 3, 32, 32), "transformer": (64, 32, 128)}[name]
-        x = torch.randn(*shape)
-        times: dict[str, list[float]] = {way: [] for way in ways}
+        x = torch.randn(BATCH, *MODEL_SPECS[name]["input"])
         with torch.no_grad():
             wrapped(x)  # the forward's order, and warm caches
-            for rep in range(args.reps):
-                for way in (list(ways) if rep % 2 == 0 else list(reversed(ways))):
-                    Communicator.arrive = ways[way]  # type: ignore[method-assign]
-                    px.barrier()
-                    started = time.perf_counter()
-                    for _ in range(10):
-                        wrapped(x)
-                    times[way].append((time.perf_counter() - started) / 10 * 1e3)
-        Communicator.arrive = arrive  # type: ignore[method-assign]
+            rows.append((name, alternating(args.reps, list(ways), timed)))
+        Communicator.arrive = ways["with"]  # type: ignore[method-assign]
         strategy.finish()
-        ratios = [w / n for w, n in zip(times["with"], times["none"])]
-        rows.append((name, statistics.median(times["none"]), statistics.median(times["with"]), ratios))
     if px.rank() == 0:
-        print(f"| {px.size()} workers, level 3 without shared memory | no arrival (ms) | with (ms) | ratio |")
-        print("|---|---|---|---|")
-        for name, none, with_, ratios in rows:
-            print(f"| {name} | {none:.2f} | {with_:.2f} | {statistics.median(ratios):.3f} "
-                  f"[{min(ratios):.3f}..{max(ratios):.3f}] |", flush=True)
+        print(paired_table(f"{px.size()} workers, level 3 without shared memory", "none", "with", rows), flush=True)
     px.shutdown()
 
 
@@ -78,10 +70,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent / "src"),
-                                                                      os.environ.get("PYTHONPATH", "")]))}
-    return subprocess.call([sys.executable, "-m", "phalanx", "run", "-n", str(args.workers), __file__, "--worker",
-                            "--reps", str(args.reps), "--models", args.models], env=env)
+    return run_as_job(__file__, args.workers, ["--reps", str(args.reps), "--models", args.models])
 
 
 if __name__ == "__main__":
