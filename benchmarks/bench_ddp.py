@@ -52,7 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 SWEEP_THRESHOLDS = ["0", "1", "4", "16", "25", "64", "inf", "auto"]
 
@@ -104,13 +107,15 @@ def build_model(name: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def timed_step(wrapped: Any, optimizer: Any, x: Any, y: Any) -> tuple[float, float]:
-    """One training step (zero_grad, forward, cross-entropy, backward, step); when forward and
-    backward ended (perf_counter)."""
+def timed_step(wrapped: Any, optimizer: Any, x: Any, y: Any, dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """One training step (zero_grad, forward, cross-entropy, backward, step), the forward and the loss
+    under autocast to ``dtype`` where one is given; when forward and backward ended (perf_counter)."""
+    import torch
     import torch.nn.functional as F
 
     optimizer.zero_grad()
-    loss = F.cross_entropy(wrapped(x), y)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = F.cross_entropy(wrapped(x), y)
     forward_end = time.perf_counter()
     loss.backward()
     backward_end = time.perf_counter()

@@ -29,6 +29,8 @@ Variants:
   s1x, s2x, s3x  the same with shared_memory=False, as between hosts: each worker its own copy of the
          parameters (levels 1-2), or its own chunks gathered per block around forward and backward
          (level 3: fusion_threshold_mb set to FSDP2's largest unit, so its blocks are FSDP2's: equal memory)
+  s3xf   s3x gathering in float32 under --precision bf16 (s3, s3x and s3h gather in bfloat16 there, as
+         px.fit's precision="bf16-mixed" has them)
   s1h, s2h, s3h  the same with shared_memory=True: between hosts each host keeps the units once in its
          shared memory, its workers sharding them and the hosts replicas of each other (hybrid
          sharding: 16 / workers-per-host bytes a parameter); on one host s1-s3 themselves
@@ -37,6 +39,9 @@ Variants:
          init_device_mesh("cpu", (W,)); Adam over the DTensor parameters
   hsdp   the same on a (hosts, workers per host) mesh: FSDP2's hybrid sharding, sharded within a
          host and replicated across hosts (the peer of s1h-s3h)
+  Under --precision bf16 every forward and loss runs under torch.autocast(bfloat16), and FSDP2 and
+  HSDP gather in bfloat16 and reduce in float32 (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+  reduce_dtype=torch.float32)), as px.Sharded's level 3 does.
 
 Parts:
   memory  an MLP of 16.81 M parameters (2048-2048-2048-2048-2048-10, batch 32 per worker), 3 Adam steps.
@@ -87,13 +92,13 @@ from bench_ddp import (MODEL_SPECS, NETNS, NETNS_ADDR, ForeignLoad, build_model,
 
 from phalanx.doctor.footprint import shared_ranges  # noqa: E402  (the doctor counts shared memory as this does)
 
-VARIANTS = ["ddp", "px", "s1", "s2", "s3", "s1x", "s2x", "s3x", "s1h", "s2h", "s3h", "zero", "fsdp2", "hsdp"]
+VARIANTS = ["ddp", "px", "s1", "s2", "s3", "s1x", "s2x", "s3x", "s3xf", "s1h", "s2h", "s3h", "zero", "fsdp2", "hsdp"]
 MEMORY_SPEC = {"batch": 32, "input": [2048], "classes": 10}
 MEMORY_STEPS = 3
 LR = 1e-3
 #: (variant, baseline) pairs whose throughput ratios are reported, and the issue's targets.
 RATIOS = [("s1", "px", 1.0), ("s2", "px", 1.0), ("s1x", "px", 1.0), ("s2x", "px", 1.0), ("s3", "fsdp2", 1.5),
-          ("s3x", "fsdp2", 1.5), ("s1h", "px", 1.0), ("s2h", "px", 1.0), ("s3h", "hsdp", 1.5), ("px", "ddp", None),
+          ("s3x", "fsdp2", 1.5), ("s3xf", "fsdp2", None), ("s3x", "s3xf", None), ("s1h", "px", 1.0), ("s2h", "px", 1.0), ("s3h", "hsdp", 1.5), ("px", "ddp", None),
           ("zero", "ddp", None), ("fsdp2", "ddp", None), ("hsdp", "ddp", None)]
 #: Bytes per parameter at 4 workers (issue 43, item 6).
 MEMORY_TARGETS = {"s1": 10.5, "s2": 7.5, "s1x": 10.5, "s2x": 7.5, "s3": 4.5, "s3x": 4.5}
@@ -134,8 +139,9 @@ def largest_unit_mb(model: nn.Module) -> float:
     return max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in fsdp_units(model)) / 2**20
 
 
-def set_up(variant: str, model: nn.Module) -> tuple[nn.Module, Any, Any, dict[str, Any]]:
-    """The variant's training model and optimizer (and the strategy to finish, and facts to report)."""
+def set_up(variant: str, model: nn.Module, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, Any, dict[str, Any]]:
+    """The variant's training model and optimizer (and the strategy to finish, and facts to report);
+    ``dtype``: the autocast dtype the steps compute in, which level 3 and FSDP2 gather in."""
     import phalanx as px
     world = px.size()
     facts: dict[str, Any] = {}
@@ -148,10 +154,12 @@ def set_up(variant: str, model: nn.Module) -> tuple[nn.Module, Any, Any, dict[st
         return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=LR), None, facts
     if variant == "px":
         return px.DataParallel(model), torch.optim.Adam(model.parameters(), lr=LR), None, facts
-    if variant in ("s1", "s2", "s3", "s1x", "s2x", "s3x", "s1h", "s2h", "s3h"):
+    if variant in ("s1", "s2", "s3", "s1x", "s2x", "s3x", "s3xf", "s1h", "s2h", "s3h"):
         level = int(variant[1])
-        options: dict[str, Any] = {"x": {"shared_memory": False}, "h": {"shared_memory": True}}.get(variant[-1], {})
-        if variant == "s3x":  # blocks as FSDP2's units (a little over the largest, which is then a block)
+        options: dict[str, Any] = {"x": {"shared_memory": False}, "h": {"shared_memory": True}}.get(variant[2:3], {})
+        if level == 3 and dtype is not None:
+            options["gather_dtype"] = torch.float32 if variant == "s3xf" else dtype
+        if variant in ("s3x", "s3xf"):  # blocks as FSDP2's units (a little over the largest, which is then a block)
             options["fusion_threshold_mb"] = largest_unit_mb(model) * 1.001
             facts["threshold_mb"] = options["fusion_threshold_mb"]
         strategy = px.Sharded(level=level, **options)
@@ -163,16 +171,17 @@ def set_up(variant: str, model: nn.Module) -> tuple[nn.Module, Any, Any, dict[st
         return wrapped, optimizer, strategy, facts
     if variant in ("fsdp2", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         hosts = world // px.local_size() if variant == "hsdp" else 1
         # ranks host-major (phalanx run's node_rank * workers per host + local rank): the shard dim is a host
         mesh = init_device_mesh("cpu", (hosts, world // hosts), mesh_dim_names=("replicate", "shard")) if hosts > 1 \
             else init_device_mesh("cpu", (world,))
         facts["mesh"] = list(mesh.shape)
         units = fsdp_units(model)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
         for unit in units:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         facts["blocks"] = len(units) + 1
         return model, torch.optim.Adam(model.parameters(), lr=LR), None, facts
     raise ValueError(f"unknown variant {variant!r}")
@@ -304,9 +313,10 @@ def job_memory(variant: str) -> None:
         strategy.finish()
 
 
-def job_speed(variant: str, models: str, steps: str, warmup: str) -> None:
+def job_speed(variant: str, models: str, steps: str, warmup: str, precision: str = "32") -> None:
     import phalanx as px
     px.init()
+    dtype = torch.bfloat16 if precision == "bf16" else None
     rank, world = px.rank(), px.size()
     probe = ForeignLoad(px.allgather_object(os.getpid()))
     for name in models.split(","):
@@ -315,13 +325,13 @@ def job_speed(variant: str, models: str, steps: str, warmup: str) -> None:
         torch.manual_seed(0)
         model = build_model(name)
         count = sum(p.numel() for p in model.parameters())
-        wrapped, optimizer, strategy, facts = set_up(variant, model)
+        wrapped, optimizer, strategy, facts = set_up(variant, model, dtype)
         times, phases = [], []
         for step in range(int(warmup) + int(steps)):
             if step == int(warmup):
                 probe.start()
             started = time.perf_counter()
-            forward, backward = timed_step(wrapped, optimizer, x, y)
+            forward, backward = timed_step(wrapped, optimizer, x, y, dtype)
             ended = time.perf_counter()
             if step >= int(warmup):
                 times.append(ended - started)
@@ -347,7 +357,7 @@ def launch(part: str, variant: str, workers: int, args: argparse.Namespace) -> d
     """One job; {"ok": [results]} or {"error": text}. Never raises for the job's own failure."""
     job = [os.path.abspath(__file__), "--job", part, variant]
     if part == "speed":
-        job += [",".join(args.models), str(args.steps), str(args.warmup)]
+        job += [",".join(args.models), str(args.steps), str(args.warmup), args.precision]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     env["OMP_NUM_THREADS"] = "1"
     if getattr(args, "source", None):  # the copy of src/ taken at the start (ahead of the editable install's path)
@@ -577,6 +587,8 @@ def main() -> None:
                         help="repetitions that also run the memory part (its tensor counts do not vary)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per speed measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--precision", choices=["32", "bf16"], default="32",
+                        help="speed: bf16 runs forward and loss under autocast(bfloat16) (see the variants)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it counts as failed")
     parser.add_argument("--json", help="also write every job's raw results here")
     parser.add_argument("--netns", metavar="RATE", help="run every job on two network namespaces joined by a veth "

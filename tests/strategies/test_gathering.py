@@ -32,10 +32,10 @@ def _counting_gathers(monkeypatch) -> list[str]:
     started: list[str] = []
     launch = gathering.Block.launch
 
-    def counted(block: gathering.Block) -> None:
+    def counted(block: gathering.Block, dtype: torch.dtype | None = None) -> None:
         if not block.gathered and not block._in_flight:
             started.append(block.name)
-        launch(block)
+        launch(block, dtype)
 
     monkeypatch.setattr(gathering.Block, "launch", counted)
     return started

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.strategies import shard_copies, sharded
+from phalanx.strategies import shard_copies, shard_layout, sharded
 from phalanx.strategies.base import FitOptions, held_bytes
 from phalanx.train import checkpoint_io
 from tests.cli.test_launcher import run_on_hosts, worker_env
@@ -587,3 +587,132 @@ def test_a_state_dict_before_the_first_step_is_taken_by_every_rank_or_refused_on
             assert torch.equal(taken[name], value)
     errors = run_workers(_state_dict_before_training, 2, True, collective_timeout=4, expect_failure=True)
     assert "model.state_dict() before the first training step at px.Sharded(level=3) on rank 0" in errors[0], errors[0]
+
+
+class _Scale(nn.Module):
+    """Features multiplied by a parameter: an elementwise product autocast leaves in float32, so
+    whether the parameter was rounded to bfloat16 shows in the result."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(features) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class _RoundedToBf16(nn.Module):
+    """A parametrization: the forward sees the parameter rounded to bfloat16 and back, its gradient
+    passes straight through to the float32 weight (what gathering in bfloat16 computes)."""
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return value + (value.to(torch.bfloat16).to(value.dtype) - value).detach()
+
+
+def _scaled_model(rounded: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), _Scale(32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3))
+    if rounded:
+        for module in model:
+            for name, _ in list(module.named_parameters(recurse=False)):
+                nn.utils.parametrize.register_parametrization(module, name, _RoundedToBf16())
+    return model
+
+
+def _bf16(variant: str) -> dict[str, Any]:
+    """Trained at bf16-mixed: ``plain`` and ``rounded`` with px.DataParallel (``rounded``: its forward
+    sees the parameters rounded to bfloat16), ``gathered`` and ``float32`` at level 3 gathering each
+    block in bfloat16 (px.fit's compute dtype) or in float32; with the dtypes of the gathers made."""
+    model = _scaled_model(rounded=variant == "rounded")
+    strategy = None
+    if variant in ("gathered", "float32"):
+        strategy = px.Sharded(level=3, fusion_threshold_mb=0.0002, shared_memory=False,
+                              gather_dtype="auto" if variant == "gathered" else torch.float32)
+    made: list[torch.dtype] = []
+    gather = shard_layout.collectives.allgather
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        made.append(tensor.dtype)
+        return gather(tensor, *args, **kwargs)
+
+    shard_layout.collectives.allgather = counted
+    try:
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01)
+        history = px.fit(model, optimizer, F.cross_entropy, _dataset(), epochs=EPOCHS, global_batch_size=GLOBAL_BATCH,
+                         precision="bf16-mixed", verbose=0, strategy=strategy)
+    finally:
+        shard_layout.collectives.allgather = gather
+    weights = {name.replace("parametrizations.", "").replace(".original", ""): value
+               for name, value in _weights(model).items()}
+    units = len(strategy.gathering.units) if strategy is not None and strategy.gathering is not None else 0
+    return {"weights": weights, "loss": history.history["loss"], "made": made, "units": units}
+
+
+def _bf16_variants() -> dict[str, dict[str, Any]]:
+    return {variant: _bf16(variant) for variant in ("plain", "rounded", "gathered", "float32")}
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_level_3_gathers_in_the_compute_dtype_and_trains_as_on_parameters_rounded_to_it(world_size: int) -> None:
+    """At bf16-mixed, level 3 gathers each block in bfloat16 (half the bytes) and the weights and the
+    optimizer stay float32: it trains as px.DataParallel whose forward sees the parameters rounded to
+    bfloat16, not as plain px.DataParallel; gathering in float32 trains as plain px.DataParallel.
+    Only the model handed back at the end is gathered in float32."""
+    for result in run_workers(_bf16_variants, world_size, timeout=150):
+        plain, rounded = result["plain"], result["rounded"]
+        gathered, float32 = result["gathered"], result["float32"]
+        for name, value in rounded["weights"].items():
+            torch.testing.assert_close(gathered["weights"][name], value, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(float32["weights"][name], plain["weights"][name], rtol=1e-5, atol=1e-6)
+        assert gathered["loss"] == pytest.approx(rounded["loss"], rel=1e-5)
+        assert not torch.allclose(rounded["weights"]["1.scale"], plain["weights"]["1.scale"], rtol=1e-5, atol=1e-6)
+        if world_size == 1:  # a world of one rounds its own chunks, gathering nothing
+            continue
+        units = gathered["units"]
+        assert gathered["made"].count(torch.float32) == units  # the whole model handed back
+        assert gathered["made"].count(torch.bfloat16) >= 2 * EPOCHS * units  # a forward and a backward a step
+        assert {dtype for dtype in float32["made"] if dtype.is_floating_point} == {torch.float32}
+
+
+def _refused_gather_dtype(case: str) -> str:
+    model = _model()
+    with pytest.raises(px.ConfigurationError) as refused:
+        if case == "level 2":
+            px.Sharded(level=2, gather_dtype=torch.bfloat16)
+        elif case == "not a dtype":
+            px.Sharded(level=3, gather_dtype="bf16")
+        else:
+            px.fit(model, _adam(model), F.cross_entropy, _dataset(), epochs=1, global_batch_size=GLOBAL_BATCH,
+                   verbose=0, reproducible=True, micro_batch_size=2, strategy=px.Sharded(level=3, gather_dtype=torch.bfloat16))
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("level 2", "only level 3 gathers the parameters for the forward and backward"),
+    ("not a dtype", "must be 'auto' or a floating torch dtype"),
+    ("reproducible", "gather_dtype=torch.bfloat16 in reproducible mode"),
+])
+def test_a_gather_dtype_that_cannot_be_honoured_is_refused(case: str, words: str) -> None:
+    assert words in run_workers(_refused_gather_dtype, 1, case)[0]
+
+
+def _state_dict_by_rank_0_alone_in_bf16() -> None:
+    model = _model()
+    strategy = px.Sharded(level=3, fusion_threshold_mb=0.0002, shared_memory=False, gather_dtype=torch.bfloat16)
+    wrapped, optimizer = strategy.setup(model, _adam(model))
+    x, y = _dataset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(wrapped(x[:8]), y[:8])
+    loss.backward()
+    optimizer.step()
+    if px.rank() == 0:
+        wrapped.state_dict()
+    px.barrier()
+
+
+def test_a_state_dict_one_rank_takes_alone_while_gathering_in_bf16_is_refused_naming_what_to_do() -> None:
+    """The passes gather rounded parameters, so the float32 weights of a state dict need every rank."""
+    errors = run_workers(_state_dict_by_rank_0_alone_in_bf16, 2, collective_timeout=4, expect_failure=True)
+    assert "model.state_dict() at px.Sharded(level=3) gathering in bfloat16 on rank 0: only 1 of 2" in errors[0], \
+        errors[0]
+    assert "every rank takes it" in errors[0], errors[0]

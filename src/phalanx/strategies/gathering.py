@@ -21,6 +21,10 @@ same order; a forward without gradients (an evaluation) first waits through the 
 rank, so that one rank evaluating alone is refused, naming it, instead of gathering with the others'
 training gathers.
 
+In mixed precision the passes gather in the compute dtype (``dtype``: each rank's chunk rounded to
+bfloat16, half the bytes) into the float32 blocks, so the weights stay float32 in the chunks; a
+state dict, which needs the weights themselves, gathers float32 apart, on every rank.
+
 Reproducible mode runs a different number of micro-batches on each rank, so there the gathers
 cannot follow the passes: the parameters are gathered whole after each optimizer step and kept
 for the step (``whole_between_steps``), and only the optimizer state and gradients stay sharded.
@@ -72,7 +76,9 @@ class Block:
     def __init__(self, modules: list[nn.Module], name: str, units: list[Unit]):
         self.modules, self.name, self.units = modules, name, units
         self.gathered = True  # laid out whole; freed once the gathering starts
+        self.holds: torch.dtype | None = None  # once gathered: the dtype it was gathered in (None: its own)
         self._in_flight: list[Handle[torch.Tensor] | None] = []  # one per unit, None in a world of one
+        self._in_flight_dtype: torch.dtype | None = None
         self.in_backward = False  # a gradient reached one of its modules' outputs in this backward
         self.remaining = 0  # parameters still waiting for their gradient in this backward
 
@@ -80,22 +86,34 @@ class Block:
     def trained(self) -> int:
         return sum(1 for unit in self.units for p in unit.params if p.requires_grad)
 
-    def launch(self) -> None:
-        """Start gathering every rank's chunks into the flat buffers (nothing if gathered or under way)."""
+    def launch(self, dtype: torch.dtype | None = None) -> None:
+        """Start gathering every rank's chunks into the flat buffers, in ``dtype`` (``None``: the
+        parameters' own); nothing if gathered or under way."""
         if self.gathered or self._in_flight:
             return
         for unit in self.units:
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            self._in_flight.append(unit.start_gather())
+            self._in_flight.append(unit.start_gather(dtype))
+        self._in_flight_dtype = dtype
 
-    def wait(self) -> None:
-        """Have the parameters whole (launching the gather first if nobody did)."""
-        if self.gathered:
+    def wait(self, dtype: torch.dtype | None = None) -> None:
+        """Have the parameters whole, as gathered in ``dtype`` (launching the gather first if nobody
+        did). Held whole already, they are rounded to ``dtype`` in place; held rounded where the
+        parameters' own precision is asked for (a state dict), they are gathered again."""
+        if not self.gathered:
+            self.launch(dtype)
+            for unit, handle in zip(self.units, self._in_flight):
+                unit.finish_gather(handle, self._in_flight_dtype)
+            self._in_flight, self.gathered, self.holds = [], True, self._in_flight_dtype
+        if self.holds == dtype:
             return
-        self.launch()
-        for unit, handle in zip(self.units, self._in_flight):
-            unit.finish_gather(handle)
-        self._in_flight, self.gathered = [], True
+        if dtype is None:  # rounded values are not the weights: every rank gathers them again (collective)
+            self.free()
+            self.wait(None)
+            return
+        for unit in self.units:
+            unit.round_to(dtype)
+        self.holds = dtype
 
     def free(self) -> None:
         if not self.gathered:
@@ -195,8 +213,12 @@ def _block_name(names: list[str]) -> str:
 class Gathering:
     """The hooks that gather and free the blocks of one model around its forward and backward."""
 
-    def __init__(self, model: nn.Module, blocks: list[Block], whole_between_steps: bool = False):
+    def __init__(self, model: nn.Module, blocks: list[Block], whole_between_steps: bool = False,
+                 dtype: torch.dtype | None = None):
         self.model, self.blocks, self.whole_between_steps = model, blocks, whole_between_steps
+        #: the dtype the passes gather in (``None``: the parameters' own); whole between steps, the
+        #: parameters are the weights themselves
+        self.dtype = None if whole_between_steps else dtype
         self._order: list[Block] = []  # the first forward's order: what to prefetch next
         self._order_complete = False  # a backward ended: the first forward's order is whole
         self._ending_queued = False
@@ -232,10 +254,17 @@ class Gathering:
             block.wait()
 
     def _whole_for_a_state_dict(self) -> None:
-        """Every parameter whole for a state dict. Before the first forward the forward's order is not
-        known, so the gathers of a state dict one rank takes alone could not be made to meet the
-        others' first forward: then every rank must be here (through the store)."""
-        if not self._order_complete and not self.whole_between_steps:
+        """Every parameter whole for a state dict. Where the passes gather in a compute dtype, the
+        weights' own gathers would not meet another rank's passes, and before the first forward the
+        forward's order is not known: in both cases the gathers of a state dict one rank takes alone
+        could not be made to meet the others', so every rank must be here (through the store)."""
+        if self.dtype is not None:
+            runtime.communicator_or_alone().arrive(
+                f"model.state_dict() at px.Sharded(level=3) gathering in {_named(self.dtype)}",
+                f"the forward and backward gather the parameters in {_named(self.dtype)}, so a state dict gathers the "
+                "float32 weights apart, from every rank: every rank takes it, and one saves (state = "
+                "model.state_dict(); if px.rank() == 0: torch.save(state, path)).")
+        elif not self._order_complete and not self.whole_between_steps:
             runtime.communicator_or_alone().arrive(
                 "model.state_dict() before the first training step at px.Sharded(level=3)",
                 "it gathers every block from every rank, so before training every rank takes it (after a step, one "
@@ -254,7 +283,7 @@ class Gathering:
             return
         for block in self.blocks:
             if block._in_flight:
-                block.wait()
+                block.wait(block._in_flight_dtype)
             block.free()
 
     def remove(self) -> None:
@@ -296,10 +325,10 @@ class Gathering:
                 # gathers, silently where the sizes agree: every rank must be here first.
                 runtime.communicator_or_alone().arrive("a forward without gradients at px.Sharded(level=3)",
                                                         EVERY_RANK_FORWARDS)
-            block.wait()
+            block.wait(self.dtype)
             following = self._neighbour(block, +1)
             if following is not None:
-                following.launch()
+                following.launch(self.dtype)
 
         return hook
 
@@ -324,10 +353,10 @@ class Gathering:
                 self._ending_queued = True
             if not block.in_backward:  # the first of its modules the backward reaches
                 block.in_backward, block.remaining = True, block.trained
-            block.wait()
+            block.wait(self.dtype)
             previous = self._neighbour(block, -1)
             if previous is not None:
-                previous.launch()
+                previous.launch(self.dtype)
 
         return hook
 
@@ -350,6 +379,10 @@ class Gathering:
             return None
         index = self._order.index(block) + step
         return self._order[index] if 0 <= index < len(self._order) else None
+
+
+def _named(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -49,20 +49,42 @@ class Unit:
         if not self.apart:
             self.shard.data = flat[self.own]
 
-    def start_gather(self) -> Handle[torch.Tensor] | None:
+    def start_gather(self, dtype: torch.dtype | None = None) -> Handle[torch.Tensor] | None:
         """Start gathering every rank's chunk into ``flat`` (collective; on the CPU the rows arrive in
-        place); ``None`` in a world of one, where the chunk is the whole."""
+        place); ``None`` in a world of one, where the chunk is the whole. ``dtype``: the chunks travel
+        rounded to it (a compute dtype: half of float32's bytes), arriving in a buffer of their own."""
         if runtime.size() == 1:
             return None
-        return collectives.allgather(self.shard.detach(), async_op=True, check=False, lengths=self.lengths,
-                                     buffer=self.flat)
+        dtype = self.narrowed(dtype)
+        if dtype is None:
+            return collectives.allgather(self.shard.detach(), async_op=True, check=False, lengths=self.lengths,
+                                         buffer=self.flat)
+        return collectives.allgather(self.shard.detach().to(dtype), async_op=True, check=False, lengths=self.lengths)
 
     @torch.no_grad()
-    def finish_gather(self, handle: Handle[torch.Tensor] | None) -> None:
-        """Wait for :meth:`start_gather`'s gather: ``flat`` holds every rank's chunk."""
+    def finish_gather(self, handle: Handle[torch.Tensor] | None, dtype: torch.dtype | None = None) -> None:
+        """Wait for :meth:`start_gather`'s gather: ``flat`` holds every rank's chunk (rounded to
+        ``dtype`` and back, as gathered in it, where one is given)."""
         whole = self.shard if handle is None else handle.wait()
+        dtype = self.narrowed(dtype)
+        if handle is None and dtype is not None:  # a world of one rounds as a gather in ``dtype`` would
+            whole = whole.to(dtype)
         if whole.data_ptr() != self.flat.data_ptr():  # gathered elsewhere than into the buffer itself
             self.flat.copy_(whole)
+
+    @torch.no_grad()
+    def round_to(self, dtype: torch.dtype) -> None:
+        """Round the whole parameters in ``flat`` to ``dtype`` and back, as a gather in it would give them."""
+        narrowed = self.narrowed(dtype)
+        if narrowed is not None:
+            self.flat.copy_(self.flat.to(narrowed))
+
+    def narrowed(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        """``dtype`` where it is a narrower floating type than the parameters' (else ``None``: they
+        travel as they are)."""
+        if dtype is None or not self.flat.is_floating_point() or dtype.itemsize >= self.flat.dtype.itemsize:
+            return None
+        return dtype
 
     @property
     def lengths(self) -> list[int]:

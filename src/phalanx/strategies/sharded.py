@@ -504,7 +504,11 @@ class Sharded(Strategy):
     gathered for its forward and backward). ``elementwise`` names optimizer classes of your own whose
     update of each element depends on that element alone, which the strategy may then step chunk by
     chunk. ``fusion_threshold_mb`` sizes the units (levels 1-2) and the blocks (level 3);
-    ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``shared_memory``:
+    ``gather_on_finish`` (level 3) hands the whole model back when training ends. ``gather_dtype``
+    (level 3): the dtype blocks are gathered in for the forward and backward, the weights and the
+    optimizer state staying float32 in each rank's chunks; ``"auto"`` is px.fit's compute dtype
+    (bfloat16 at ``precision="bf16-mixed"``, float16 at ``"16-mixed"``: half the bytes each gather
+    moves) and the parameters' own in a loop of one's own, where a dtype may be given. ``shared_memory``:
     ``"auto"`` keeps the units once per host in shared memory when every worker is on this host and
     reduces through it (then each worker's share of the host's one copy is its chunk, at every level,
     and level 3 has nothing to gather), and on each of several hosts at levels 1 and 2 where a worker
@@ -526,9 +530,18 @@ class Sharded(Strategy):
     def __init__(self, level: int = 2, elementwise: Sequence[type] = (),
                  fusion_threshold_mb: float = DEFAULT_FUSION_THRESHOLD_MB, gather_on_finish: bool = True,
                  shared_memory: bool | str = "auto", copies: bool | str = "auto",
-                 commit_every: int | None = None):
+                 commit_every: int | None = None, gather_dtype: torch.dtype | str = "auto"):
         if level not in LEVELS:
             raise ConfigurationError(f"px.Sharded(level=...) must be one of {list(LEVELS)}, got {level!r}.")
+        if gather_dtype != "auto" and not (isinstance(gather_dtype, torch.dtype) and gather_dtype.is_floating_point):
+            raise ConfigurationError(f"px.Sharded(gather_dtype=...) must be 'auto' or a floating torch dtype "
+                                     f"(torch.bfloat16, torch.float16, torch.float32), got {gather_dtype!r}.")
+        if gather_dtype != "auto" and level != 3:
+            raise ConfigurationError(f"px.Sharded(level={level}, gather_dtype={gather_dtype}): only level 3 gathers the "
+                                     "parameters for the forward and backward; levels 1 and 2 keep them whole on every "
+                                     "worker, in their own dtype. Use level=3, or leave gather_dtype='auto'.")
+        self.gather_dtype = gather_dtype
+        self.compute_dtype: torch.dtype | None = None  # what px.fit's precision computes in, once checked
         if commit_every is not None and (not isinstance(commit_every, int) or commit_every < 1):
             raise ConfigurationError(f"px.Sharded(commit_every=...) must be a whole number of steps of at least 1, "
                                      f"got {commit_every!r}.")
@@ -562,6 +575,11 @@ class Sharded(Strategy):
         self.checked = True
         refuse_parameter_servers_launched(self.name)
         self.reproducible = options.reproducible  # level 3 then keeps the parameters whole during a step
+        self.compute_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(options.precision)
+        if self.reproducible and isinstance(self.gather_dtype, torch.dtype) and self.gather_dtype != torch.float32:
+            refuse(self.name, f"gather_dtype={self.gather_dtype} in reproducible mode", "reproducible mode gathers the "
+                   "whole float32 parameters after each step, so that the weights are bitwise those of unsharded "
+                   "training; leave gather_dtype='auto'.")
         self.elastic = options.elastic
         if options.several_optimizers:
             refuse(self.name, "a list of optimizers", "the shards are laid out over one optimizer's parameter groups; "
@@ -637,7 +655,7 @@ class Sharded(Strategy):
             check_stepped(optimizer, wrapped.module)
             group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
             self.gathering = Gathering(wrapped.module, cut(wrapped.module, self.fusion_threshold_mb, group_of),
-                                       whole_between_steps=self.reproducible)
+                                       whole_between_steps=self.reproducible, dtype=self._gathered_in())
             units = self.gathering.units
             reduced = units[::-1]  # buckets in the order gradients become ready: the last block's first
         else:
@@ -655,6 +673,13 @@ class Sharded(Strategy):
             self._describe_layout(shared)
         return units, reduced, shared
 
+    def _gathered_in(self) -> torch.dtype | None:
+        """The dtype level 3's passes gather in: as chosen, else px.fit's compute dtype (``None``: the
+        parameters' own)."""
+        if isinstance(self.gather_dtype, torch.dtype):
+            return None if self.gather_dtype == torch.float32 else self.gather_dtype
+        return self.compute_dtype
+
     def _describe_layout(self, shared: bool) -> None:
         """Name where the units live (:attr:`layout`) and say it in the log, once per set-up or re-form."""
         hosts = len(host_memory.hosts()) if shared else 1
@@ -668,6 +693,8 @@ class Sharded(Strategy):
         elif self.gathering is not None:
             self.layout = "chunks gathered per block"
             detail = "each worker keeps its chunks, gathered per block around its forward and backward"
+            if self.gathering.dtype is not None:
+                detail += f" in {str(self.gathering.dtype).removeprefix('torch.')}"
         else:
             self.layout = "a copy per worker"
             detail = "each worker keeps a copy of the parameters, its chunks all-gathered after each step"
