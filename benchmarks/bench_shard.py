@@ -40,8 +40,10 @@ Variants:
   hsdp   the same on a (hosts, workers per host) mesh: FSDP2's hybrid sharding, sharded within a
          host and replicated across hosts (the peer of s1h-s3h)
   Under --precision bf16 every forward and loss runs under torch.autocast(bfloat16), and FSDP2 and
-  HSDP gather in bfloat16 and reduce in float32 (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-  reduce_dtype=torch.float32)), as px.Sharded's level 3 does.
+  HSDP gather their units in bfloat16 and reduce in float32 (MixedPrecisionPolicy(param_dtype=
+  torch.bfloat16, reduce_dtype=torch.float32)), as px.Sharded's level 3 does; the root's own
+  parameters (the CNN's BatchNorms) in float32, since batch_norm refuses bfloat16 weights beside its
+  float32 running statistics.
 
 Parts:
   memory  an MLP of 16.81 M parameters (2048-2048-2048-2048-2048-10, batch 32 per worker), 3 Adam steps.
@@ -181,7 +183,9 @@ def set_up(variant: str, model: nn.Module, dtype: torch.dtype | None = None) -> 
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        # the root's own parameters (the CNN's BatchNorms) stay float32: batch_norm refuses bfloat16
+        # weights beside its float32 running statistics ("expected scalar type BFloat16 but found Float")
+        fully_shard(model, mesh=mesh)
         facts["blocks"] = len(units) + 1
         return model, torch.optim.Adam(model.parameters(), lr=LR), None, facts
     raise ValueError(f"unknown variant {variant!r}")
