@@ -716,3 +716,32 @@ def test_a_state_dict_one_rank_takes_alone_while_gathering_in_bf16_is_refused_na
     assert "model.state_dict() at px.Sharded(level=3) gathering in bfloat16 on rank 0: only 1 of 2" in errors[0], \
         errors[0]
     assert "every rank takes it" in errors[0], errors[0]
+
+
+def _one_block_gathered_in_bf16() -> dict[str, Any]:
+    model = _model()
+    strategy = px.Sharded(level=3, fusion_threshold_mb=0.0002, shared_memory=False, gather_dtype=torch.bfloat16)
+    strategy.setup(model, _adam(model))
+    assert strategy.gathering is not None
+    block = strategy.gathering.blocks[0]
+    block.launch(torch.bfloat16)
+    in_flight = [unit.flat.untyped_storage().nbytes() for unit in block.units]
+    block.wait(torch.bfloat16)
+    rounded = [unit.flat.clone() for unit in block.units]
+    strategy.gathering.gather_all()  # the weights themselves: gathered again, in float32
+    names = {id(param): name for name, param in model.named_parameters()}
+    return {"in_flight": in_flight, "rounded": rounded, "whole": [unit.flat.clone() for unit in block.units],
+            "names": [names[id(param)] for unit in block.units for param in unit.params]}
+
+
+def test_a_block_gathered_in_bf16_holds_no_float32_memory_in_flight_and_is_gathered_again_whole() -> None:
+    """While its bfloat16 gather is in flight a block's float32 buffers hold nothing (the gather half
+    of a float32 one); once there they hold the weights rounded to bfloat16, and a gather of the weights
+    themselves (a state dict's) brings the float32 values back."""
+    initial = _model().state_dict()
+    for result in run_workers(_one_block_gathered_in_bf16, 2):
+        assert result["in_flight"] == [0] * len(result["in_flight"])
+        whole = torch.cat(result["whole"])
+        assert torch.equal(whole, torch.cat([initial[name].reshape(-1) for name in result["names"]]))
+        assert torch.equal(torch.cat(result["rounded"]), whole.to(torch.bfloat16).float())
+        assert not torch.equal(torch.cat(result["rounded"]), whole)

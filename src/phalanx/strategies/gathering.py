@@ -92,7 +92,6 @@ class Block:
         if self.gathered or self._in_flight:
             return
         for unit in self.units:
-            unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             self._in_flight.append(unit.start_gather(dtype))
         self._in_flight_dtype = dtype
 
@@ -119,7 +118,7 @@ class Block:
         if not self.gathered:
             return
         for unit in self.units:
-            unit.flat.untyped_storage().resize_(0)
+            unit.free()
         self.gathered = False
 
 
@@ -301,9 +300,7 @@ class Gathering:
         for block in self.blocks:
             block._in_flight = []
             for unit in block.units:
-                storage = unit.flat.untyped_storage()
-                if storage.nbytes() == 0:
-                    storage.resize_(unit.flat.numel() * unit.flat.element_size())
+                if unit.allocate():
                     unit.flat.zero_()
             block.gathered = True
 

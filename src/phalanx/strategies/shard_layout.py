@@ -51,12 +51,15 @@ class Unit:
 
     def start_gather(self, dtype: torch.dtype | None = None) -> Handle[torch.Tensor] | None:
         """Start gathering every rank's chunk into ``flat`` (collective; on the CPU the rows arrive in
-        place); ``None`` in a world of one, where the chunk is the whole. ``dtype``: the chunks travel
-        rounded to it (a compute dtype: half of float32's bytes), arriving in a buffer of their own."""
+        place, ``flat``'s memory given back first if it was freed); ``None`` in a world of one, where
+        the chunk is the whole. ``dtype``: the chunks travel rounded to it (a compute dtype: half of
+        float32's bytes), arriving in a buffer of their own (``flat``'s memory comes back only as
+        :meth:`finish_gather` copies them in, so a gather in flight holds half as much)."""
         if runtime.size() == 1:
             return None
         dtype = self.narrowed(dtype)
         if dtype is None:
+            self.allocate()
             return collectives.allgather(self.shard.detach(), async_op=True, check=False, lengths=self.lengths,
                                          buffer=self.flat)
         return collectives.allgather(self.shard.detach().to(dtype), async_op=True, check=False, lengths=self.lengths)
@@ -70,7 +73,20 @@ class Unit:
         if handle is None and dtype is not None:  # a world of one rounds as a gather in ``dtype`` would
             whole = whole.to(dtype)
         if whole.data_ptr() != self.flat.data_ptr():  # gathered elsewhere than into the buffer itself
+            self.allocate()
             self.flat.copy_(whole)
+
+    def free(self) -> None:
+        """Give ``flat``'s memory back (level 3, between uses): the parameters, its views, hold none."""
+        self.flat.untyped_storage().resize_(0)
+
+    def allocate(self) -> bool:
+        """Give ``flat`` its memory back where :meth:`free` took it (its values undefined); whether it did."""
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() > 0:
+            return False
+        storage.resize_(self.flat.numel() * self.flat.element_size())
+        return True
 
     @torch.no_grad()
     def round_to(self, dtype: torch.dtype) -> None:
