@@ -19,7 +19,7 @@ install: $(STAMP)
 
 DEMO_DIR ?= runs/demo
 demo: $(STAMP)
-	$(BIN)/phalanx run -n 2 examples/digits.py --checkpoint-dir $(DEMO_DIR) $(DEMO_ARGS)
+	$(BIN)/python -m phalanx run -n 2 examples/digits.py --checkpoint-dir $(DEMO_DIR) $(DEMO_ARGS)
 
 # Two pytest workers (pytest-xdist) even on two cores: many tests wait on timeouts and heartbeats
 # (--dist loadgroup keeps the Ray tests together, on the session's one Ray cluster). TEST_WORKERS=0: one process.

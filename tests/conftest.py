@@ -6,6 +6,7 @@ starts (before anything asks CUDA), so a GPU machine runs the same tests as CI. 
 """
 
 import functools
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -21,7 +22,25 @@ os.environ["PHALANX_SECRET"] = "5ec2e7" * 8
 import pytest  # noqa: E402  (after hiding the GPUs)
 import torch  # noqa: E402
 
-import phalanx as px  # noqa: E402
+try:
+    import phalanx as px  # noqa: E402
+except ModuleNotFoundError as missing:
+    raise pytest.UsageError(
+        f"the suite cannot import phalanx with {sys.executable} ({missing}): install it into this interpreter "
+        "(pip install -e . from the clone, as `make test` does), or put the clone's src/ on PYTHONPATH.") from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which phalanx the suite tests and how the workers its tests start (fresh interpreters) find it."""
+    where = os.path.dirname(os.path.dirname(px.__file__))
+    searched = [os.path.realpath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if os.path.realpath(where) in searched:
+        return f"phalanx from {where}, on PYTHONPATH (the tests' workers find it there too)"
+    try:
+        return f"phalanx {importlib.metadata.version('phalanx')} from {where}, installed in {sys.prefix}"
+    except importlib.metadata.PackageNotFoundError:
+        return (f"phalanx from {where}: neither installed nor on PYTHONPATH, so the workers the tests start (fresh "
+                "interpreters) will not find it: pip install -e . (as `make test` does), or set PYTHONPATH")
 
 
 def gpu_environment(base: dict[str, str]) -> dict[str, str]:

@@ -156,7 +156,8 @@ def test_no_prefix_and_module(tmp_path: Path) -> None:
     package.mkdir()
     (package / "__init__.py").write_text("")
     write_script(package, "job.py", PRINT_RANK)
-    env = worker_env(PYTHONPATH=str(package.parent))
+    # the package's folder ahead of what the test's own path holds (phalanx itself, where it is not installed)
+    env = worker_env(PYTHONPATH=os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")])))
     result = run_phalanx("-n", "2", "--no-prefix", "-m", "pkg.job", "a", cwd=tmp_path / "pkg", env=env)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["0 2 a", "1 2 a"]
