@@ -46,6 +46,7 @@ _MODULES = {  # public module -> the names it gives px
     "phalanx.strategies.local_sgd": ("DiLoCo", "LocalSGD"),
     "phalanx.strategies.parameter_server": ("ParameterServer",),
     "phalanx.strategies.sharded": ("Sharded",),
+    "phalanx.train.callbacks": ("Callback",),
     "phalanx.train.checkpoint": ("checkpoint_weights",),
     "phalanx.train.fit": ("estimated_stepping_batches", "evaluate", "fit", "steps_per_epoch"),
     "phalanx.train.loop": ("Loop",),

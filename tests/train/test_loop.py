@@ -3,6 +3,7 @@ against the same hand-written torch loops as step_fn's."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -98,3 +99,65 @@ def test_what_a_loop_cannot_be_is_refused() -> None:
         px.Loop(model, _optimizers(model), **common)
     with pytest.raises(px.ConfigurationError, match="set automatic_optimization = False"):
         _Automatic(model, torch.optim.SGD(model.parameters(), lr=0.1), **common).fit(_dataset())
+
+
+class _KerasHabits(px.Callback):
+    """A callback written with Keras's and Lightning's hook names, and one of px.fit's."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        raise AssertionError("px.fit has no such hook")
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        raise AssertionError("px.fit has no such hook")
+
+    def on_epoch_end(self, epoch: int, logs: dict, state: Any) -> None:
+        self.epochs += 1
+
+
+def _fit_with_foreign_hooks() -> tuple[list[str], int]:
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("phalanx.train.loop").addHandler(handler)
+    model, callback = _model(), _KerasHabits()
+    px.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(), epochs=2,
+           global_batch_size=GLOBAL_BATCH, verbose=0, callbacks=[callback, px.callbacks.EarlyStopping(monitor="loss")])
+    return said, callback.epochs
+
+
+def test_a_callback_with_hooks_px_fit_never_calls_is_named_with_the_hooks_it_means() -> None:
+    """Keras's on_train_batch_end and Lightning's on_train_epoch_end would be silently never called:
+    rank 0 says so, naming px.fit's hooks; the hooks it does have run as usual."""
+    results = run_workers(_fit_with_foreign_hooks, 2)
+    said, epochs = results[0]
+    warned = [message for message in said if "never calls" in message]
+    assert len(warned) == 1, said
+    assert ("the callback _KerasHabits defines on_train_batch_end (px.fit's is on_step_end), on_train_epoch_end "
+            "(px.fit's is on_epoch_end), which px.fit never calls") in warned[0], warned[0]
+    assert epochs == 2
+    assert not [message for message in results[1][0] if "never calls" in message]  # rank 0 alone says it
+
+
+class _LightningHabits(px.Loop):
+    def on_train_epoch_end(self) -> None:
+        raise AssertionError("px.Loop has no such hook")
+
+
+def _loop_with_a_foreign_hook() -> list[str]:
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("phalanx.train.loop").addHandler(handler)
+    model = _model()
+    _LightningHabits(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, epochs=1,
+                     global_batch_size=GLOBAL_BATCH, verbose=0).fit(_dataset())
+    return said
+
+
+def test_a_loop_subclass_with_a_hook_it_never_gets_is_named_too() -> None:
+    said = run_workers(_loop_with_a_foreign_hook, 1)[0]
+    assert any("the callback _LightningHabits defines on_train_epoch_end (px.fit's is on_epoch_end)" in message
+               for message in said), said

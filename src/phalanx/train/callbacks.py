@@ -25,9 +25,29 @@ from phalanx.train.state import TrainState
 
 HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end", "on_train_end")
 
+#: Hooks of Keras and Lightning callbacks, and px.fit's hook that is called where they would be.
+FOREIGN_HOOKS = {"on_train_batch_begin": "on_step_begin", "on_train_batch_end": "on_step_end",
+                 "on_batch_begin": "on_step_begin", "on_batch_end": "on_step_end", "on_step_start": "on_step_begin",
+                 "on_train_epoch_start": "on_epoch_begin", "on_train_epoch_end": "on_epoch_end",
+                 "on_epoch_start": "on_epoch_begin", "on_train_start": "on_train_begin", "on_fit_start": "on_train_begin",
+                 "on_fit_end": "on_train_end"}
+
 
 class Callback:
     """Base class with every hook as a no-op; a callback need not inherit from it."""
+
+
+def uncalled_hooks(callback: Any) -> str | None:
+    """What to tell the user of a callback whose ``on_*`` methods px.fit would never call (Keras's
+    ``on_train_batch_end``, Lightning's ``on_train_epoch_end``, ...): ``None`` when there are none."""
+    names = sorted(name for name in dir(callback)
+                   if name.startswith("on_") and name not in HOOKS and callable(getattr(callback, name, None)))
+    if not names:
+        return None
+    named = ", ".join(f"{name} (px.fit's is {FOREIGN_HOOKS[name]})" if name in FOREIGN_HOOKS else name
+                      for name in names)
+    return (f"phalanx: the callback {type(callback).__name__} defines {named}, which px.fit never calls: its hooks are "
+            f"{', '.join(HOOKS)}; rename them, or the callback does nothing there.")
 
 
 class CallbackList:

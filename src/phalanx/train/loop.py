@@ -224,6 +224,10 @@ class Loop:
         state = self.state
         assert state is not None
         checkpoint_dir = self.checkpoint_dir if ray is None else ray.checkpoint_dir
+        for callback in (self, *self.callbacks):  # the loop is a callback too (a subclass's hooks)
+            uncalled = cb.uncalled_hooks(callback)
+            if uncalled is not None and runtime.rank() == 0:
+                logger.warning(uncalled)
         hooks = cb.CallbackList([self, *_callbacks(self.callbacks, self.verbose, self.global_batch_size,
                                                    checkpoint_dir, self.checkpoint_every,
                                                    self.log_dir or self.checkpoint_dir),
