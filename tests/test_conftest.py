@@ -15,7 +15,8 @@ SOURCE = os.path.dirname(os.path.dirname(px.__file__))
 
 def test_the_header_names_phalanx_found_on_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/elsewhere", SOURCE + os.sep]))
-    assert conftest.pytest_report_header(None) == f"phalanx from {SOURCE}, on PYTHONPATH (the tests' workers find it there too)"
+    header = conftest.pytest_report_header(None)
+    assert header == f"phalanx from {SOURCE}, on PYTHONPATH (the tests' workers find it there too)"
 
 
 def test_the_header_says_when_the_workers_would_not_find_phalanx(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -683,7 +683,8 @@ def _refused_gather_dtype(case: str) -> str:
             px.Sharded(level=3, gather_dtype="bf16")
         else:
             px.fit(model, _adam(model), F.cross_entropy, _dataset(), epochs=1, global_batch_size=GLOBAL_BATCH,
-                   verbose=0, reproducible=True, micro_batch_size=2, strategy=px.Sharded(level=3, gather_dtype=torch.bfloat16))
+                   verbose=0, reproducible=True, micro_batch_size=2,
+                   strategy=px.Sharded(level=3, gather_dtype=torch.bfloat16))
     return str(refused.value)
 
 

@@ -537,9 +537,9 @@ class Sharded(Strategy):
             raise ConfigurationError(f"px.Sharded(gather_dtype=...) must be 'auto' or a floating torch dtype "
                                      f"(torch.bfloat16, torch.float16, torch.float32), got {gather_dtype!r}.")
         if gather_dtype != "auto" and level != 3:
-            raise ConfigurationError(f"px.Sharded(level={level}, gather_dtype={gather_dtype}): only level 3 gathers the "
-                                     "parameters for the forward and backward; levels 1 and 2 keep them whole on every "
-                                     "worker, in their own dtype. Use level=3, or leave gather_dtype='auto'.")
+            raise ConfigurationError(f"px.Sharded(level={level}, gather_dtype={gather_dtype}): only level 3 gathers "
+                                     "the parameters for the forward and backward; levels 1 and 2 keep them whole on "
+                                     "every worker, in their own dtype. Use level=3, or leave gather_dtype='auto'.")
         self.gather_dtype = gather_dtype
         self.compute_dtype: torch.dtype | None = None  # what px.fit's precision computes in, once checked
         if commit_every is not None and (not isinstance(commit_every, int) or commit_every < 1):

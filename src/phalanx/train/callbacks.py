@@ -29,8 +29,8 @@ HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on
 FOREIGN_HOOKS = {"on_train_batch_begin": "on_step_begin", "on_train_batch_end": "on_step_end",
                  "on_batch_begin": "on_step_begin", "on_batch_end": "on_step_end", "on_step_start": "on_step_begin",
                  "on_train_epoch_start": "on_epoch_begin", "on_train_epoch_end": "on_epoch_end",
-                 "on_epoch_start": "on_epoch_begin", "on_train_start": "on_train_begin", "on_fit_start": "on_train_begin",
-                 "on_fit_end": "on_train_end"}
+                 "on_epoch_start": "on_epoch_begin", "on_train_start": "on_train_begin",
+                 "on_fit_start": "on_train_begin", "on_fit_end": "on_train_end"}
 
 
 class Callback:
