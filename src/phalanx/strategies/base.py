@@ -37,6 +37,7 @@ class FitOptions:
     """The options of one ``px.fit`` call that a strategy may have to refuse."""
 
     precision: str = "32"
+    compute_dtype: torch.dtype | None = None  # what that precision computes in (None: the parameters' dtype)
     clipping: Clipping | None = None
     reproducible: bool = False
     checkpoint_dir: str | None = None

@@ -259,8 +259,8 @@ class Gathering:
         could not be made to meet the others', so every rank must be here (through the store)."""
         if self.dtype is not None:
             runtime.communicator_or_alone().arrive(
-                f"model.state_dict() at px.Sharded(level=3) gathering in {_named(self.dtype)}",
-                f"the forward and backward gather the parameters in {_named(self.dtype)}, so a state dict gathers the "
+                f"model.state_dict() at px.Sharded(level=3) gathering in {dtype_name(self.dtype)}",
+                f"the forward and backward gather the parameters in {dtype_name(self.dtype)}, so a state dict gathers the "
                 "float32 weights apart, from every rank: every rank takes it, and one saves (state = "
                 "model.state_dict(); if px.rank() == 0: torch.save(state, path)).")
         elif not self._order_complete and not self.whole_between_steps:
@@ -378,7 +378,8 @@ class Gathering:
         return self._order[index] if 0 <= index < len(self._order) else None
 
 
-def _named(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: a dtype as messages name it."""
     return str(dtype).removeprefix("torch.")
 
 

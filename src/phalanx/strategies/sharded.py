@@ -52,7 +52,7 @@ from phalanx.strategies.base import (FitOptions, OptimizerLike, Stateful, Strate
                                      refuse, refuse_parameter_servers_launched, state_per_parameter, wrap)
 from phalanx.strategies.held import HeldOptimizer
 from phalanx.strategies import host_memory, shard_copies
-from phalanx.strategies.gathering import Gathering, cut
+from phalanx.strategies.gathering import Gathering, cut, dtype_name
 from phalanx.strategies.shard_layout import Unit, check_stepped, chunk_bounds, lay_out
 
 LEVELS = (1, 2, 3)
@@ -575,7 +575,7 @@ class Sharded(Strategy):
         self.checked = True
         refuse_parameter_servers_launched(self.name)
         self.reproducible = options.reproducible  # level 3 then keeps the parameters whole during a step
-        self.compute_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(options.precision)
+        self.compute_dtype = options.compute_dtype
         if self.reproducible and isinstance(self.gather_dtype, torch.dtype) and self.gather_dtype != torch.float32:
             refuse(self.name, f"gather_dtype={self.gather_dtype} in reproducible mode", "reproducible mode gathers the "
                    "whole float32 parameters after each step, so that the weights are bitwise those of unsharded "
@@ -694,7 +694,7 @@ class Sharded(Strategy):
             self.layout = "chunks gathered per block"
             detail = "each worker keeps its chunks, gathered per block around its forward and backward"
             if self.gathering.dtype is not None:
-                detail += f" in {str(self.gathering.dtype).removeprefix('torch.')}"
+                detail += f" in {dtype_name(self.gathering.dtype)}"
         else:
             self.layout = "a copy per worker"
             detail = "each worker keeps a copy of the parameters, its chunks all-gathered after each step"

@@ -43,7 +43,7 @@ from phalanx.train import callbacks as cb, checkpoint, finite, horizon, options,
 from phalanx.train.lr import LearningRates, Schedule, Scheduled, TorchScheduler
 from phalanx.train.metrics import Metric, fresh_copies, reduce_metrics, resolve
 from phalanx.train.optimizers import OptimizerGroup
-from phalanx.train.precision import Precision, resolve as resolve_precision
+from phalanx.train.precision import COMPUTE_DTYPES, Precision, resolve as resolve_precision
 from phalanx.train.state import History, LoopPosition, TrainState
 from phalanx.train.steps import (ManualStep, StepResult, evaluate_batch, evaluate_batches, loss_of,
                                  takes_step, train_step)
@@ -188,7 +188,7 @@ class Loop:
                 f"backward and the optimizer step itself: set automatic_optimization = False on your Loop.")
 
     def _fit_options(self, rates: LearningRates) -> FitOptions:
-        return FitOptions(self.precision, self.clipping, self.reproducible,
+        return FitOptions(self.precision, COMPUTE_DTYPES.get(self.precision), self.clipping, self.reproducible,
                           None if self.checkpoint_dir is None else str(self.checkpoint_dir), self.checkpoint_every,
                           self.several_optimizers, rates.torch_scheduler is not None, elastic.enabled(),
                           not self.automatic_optimization)

@@ -30,6 +30,8 @@ from phalanx.parallel.clipping import Clipping
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+#: The dtype each mixed precision computes in (autocast's; a strategy may gather parameters in it).
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _ALIASES = {"32-true": "32", "bf16": "bf16-mixed", "16": "16-mixed", 32: "32", 16: "16-mixed"}
 
 
@@ -47,7 +49,7 @@ class Precision:
     def __init__(self, name: str | int = "32", device: torch.device | str = "cpu"):
         self.name = resolve(name)
         self.device = torch.device(device)
-        self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.name)
+        self.dtype = COMPUTE_DTYPES.get(self.name)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.name == "16-mixed" else None
         if self.name == "16-mixed" and self.device.type == "cpu":
             logger.warning("phalanx: precision='16-mixed' on the CPU computes float16 in software: 28x slower than "
